@@ -7,6 +7,7 @@ real response tokens (up to and including EOS) and 0 on padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -30,9 +31,10 @@ class RLConfig:
     """Clipping of the value prediction around the old value (PPO)."""
     kl_coef: float = 0.02
     """Weight of the KL penalty against the reference policy."""
-    kl_mode: Literal["reward", "loss"] = "reward"
-    """'reward': subtract coef * KL from the per-token reward (PPO); 'loss': add coef * KL
-    (k3 estimator) to the policy loss (GRPO)."""
+    kl_mode: Literal["reward", "loss"] | None = None
+    """'reward': subtract coef * KL from the per-token reward; 'loss': add coef * KL (k3
+    estimator) to the policy loss; None: the algorithm's own choice (loss for GRPO, reward
+    for the others)."""
     group_eps: float = 1e-6
     """Added to the group's reward std in GRPO."""
     cost_threshold: float = 0.2
@@ -41,6 +43,9 @@ class RLConfig:
     """Safe-RLHF: the Lagrange multiplier's initial value."""
     lambda_lr: float = 0.5
     """Safe-RLHF: step size of the multiplier's update in log space."""
+    lambda_max: float = 10.0
+    """Safe-RLHF: upper bound of the multiplier (Safe-RLHF clamps ln(lambda) likewise); keeps
+    the update finite when the cost stays above the threshold."""
     ptx_coef: float = 0.1
     """Safe-RLHF: weight of the actor's pretraining (language-modelling) loss."""
 
@@ -52,6 +57,21 @@ class RLConfig:
         for key in ("kl_coef", "cost_threshold", "lambda_init", "lambda_lr",
                     "ptx_coef"):
             require(getattr(self, key) >= 0, "must be zero or positive", key)
+        require(self.lambda_max > 0, "must be positive", "lambda_max")
+        require(self.lambda_init <= self.lambda_max, "must be at most lambda_max",
+                "lambda_init")
+
+    def resolved(self, algorithm: str) -> RLConfig:
+        """This config with the algorithm's defaults filled in (where the KL term goes)."""
+        if self.kl_mode is not None:
+            return self
+        mode = "loss" if algorithm == "grpo" else "reward"
+        return dataclasses.replace(self, kl_mode=mode)
+
+    @property
+    def kl_in_reward(self) -> float:
+        """The KL coefficient applied in the reward (0 when the KL is a loss term)."""
+        return self.kl_coef if self.kl_mode != "loss" else 0.0
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -127,11 +147,17 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                              mask)
 
 
-def update_lagrange(multiplier: float, mean_cost: float, threshold: float, lr: float) -> float:
+def update_lagrange(multiplier: float, mean_cost: float, threshold: float, lr: float,
+                    maximum: float = math.inf) -> float:
     """Safe-RLHF's multiplier step (Dai et al. 2023, arXiv 2310.12773): gradient ascent on
     ln(lambda) of lambda * (J_C - d), so lambda grows while the mean cost exceeds the threshold,
-    shrinks while it is below, and stays positive."""
-    return multiplier * math.exp(lr * multiplier * (mean_cost - threshold))
+    shrinks while it is below, and stays positive; clamped to ``maximum``."""
+    if multiplier <= 0.0:
+        return 0.0
+    log_step = lr * multiplier * (mean_cost - threshold)
+    if math.log(maximum) - math.log(multiplier) <= log_step:
+        return maximum
+    return multiplier * math.exp(log_step)
 
 
 def safe_scores(scores: torch.Tensor, costs: torch.Tensor, multiplier: float) -> torch.Tensor:

@@ -25,6 +25,7 @@ from executor.protocols import (
 )
 from executor.roles import ROLE_CLASSES, RoleConfig
 from executor.worker import SetWorker
+from profiles.datafile import SpecError
 from simulator.plan import ColocatedSet
 
 
@@ -164,11 +165,11 @@ class WorkerGroup:
         traffic would leave NVLink)."""
         for start in range(0, len(self.nodes), size):
             if len(set(self.nodes[start:start + size])) > 1:
-                raise RuntimeError(
-                    f"set {self.index}: ranks {start}-{start + size - 1} ({what}) landed on "
-                    f"nodes {sorted(set(self.nodes[start:start + size]))}; Ray's placement "
-                    "group did not give each node whole groups. Free whole nodes for this "
-                    "set or lower tp.")
+                raise SpecError(
+                    f"ranks {start}-{start + size - 1} ({what}) landed on nodes "
+                    f"{sorted(set(self.nodes[start:start + size]))}; Ray's placement group did "
+                    "not give each node whole groups. Free whole nodes for this set or lower "
+                    "tp", key=f"sets[{self.index}]")
 
     def build(self, config: RoleConfig) -> list[dict[str, Any]]:
         return self.ray.get([w.build.remote(config) for w in self.workers])

@@ -128,7 +128,7 @@ def ppo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     def advantages() -> Batch:
         rewards = rl.kl_penalty_rewards(batch["scores"], batch["old_log_probs"],
                                         batch["ref_log_probs"], batch["response_mask"],
-                                        ctx.rl.kl_coef)
+                                        ctx.rl.kl_in_reward)
         adv, returns = rl.gae(rewards, batch["values"], batch["response_mask"],
                               ctx.rl.gamma, ctx.rl.lam)
         return Batch({"advantages": rl.whiten(adv, batch["response_mask"]),
@@ -154,10 +154,11 @@ def safe_rlhf_iteration(ctx: Context, iteration: int) -> dict[str, float]:
 
     def advantages() -> Batch:
         ctx.multiplier = rl.update_lagrange(ctx.multiplier, float(batch["costs"].mean()),
-                                            ctx.rl.cost_threshold, ctx.rl.lambda_lr)
+                                            ctx.rl.cost_threshold, ctx.rl.lambda_lr,
+                                            ctx.rl.lambda_max)
         scores = rl.safe_scores(batch["scores"], batch["costs"], ctx.multiplier)
         rewards = rl.kl_penalty_rewards(scores, batch["old_log_probs"], batch["ref_log_probs"],
-                                        batch["response_mask"], ctx.rl.kl_coef)
+                                        batch["response_mask"], ctx.rl.kl_in_reward)
         adv, returns = rl.gae(rewards, batch["values"], batch["response_mask"],
                               ctx.rl.gamma, ctx.rl.lam)
         return Batch({"advantages": rl.whiten(adv, batch["response_mask"]),
@@ -208,7 +209,7 @@ def remax_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     def advantages() -> Batch:
         shaped = rl.kl_penalty_rewards(batch["scores"] - scored["scores"][half:],
                                        batch["old_log_probs"], batch["ref_log_probs"],
-                                       batch["response_mask"], ctx.rl.kl_coef)
+                                       batch["response_mask"], ctx.rl.kl_in_reward)
         # REINFORCE with the greedy baseline: the reward to go of every token.
         to_go = shaped.flip(-1).cumsum(-1).flip(-1) * batch["response_mask"]
         return Batch({"advantages": to_go})

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from executor.device import mesh_device_type
+from executor.device import mesh_device_type, synchronize
 from executor.generation import GenerationEngine, tp_shard_dim
 from executor.trainer import Trainer
 from simulator.specs.parallel import GenerationConfig
@@ -88,6 +88,7 @@ class HybridEngine:
             received += got
             weights[name] = shard
         self.engine.load(weights)
+        synchronize()  # the all-gathers run asynchronously on GPUs
         seconds = time.perf_counter() - start
         return TransitionRecord(
             mode=self.mode, seconds=seconds, bytes_received_per_gpu=received,

@@ -80,12 +80,18 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     work = job.workload
     sequences = work.prompts_per_iteration * (work.samples_per_prompt
                                               if job.algorithm == "grpo" else 1)
-    for role in job.dataflow.trained_roles:
+    # Reward and cost models train too (fitted to the task's rules before RL), on batches of
+    # prompts_per_iteration sequences.
+    fitted = [r for r in ("reward", "cost")
+              if r in job.gpu_roles and options.reward_warmup_steps > 0]
+    for role, rows, what in [(r, sequences, "iteration") for r in job.dataflow.trained_roles] + \
+            [(r, work.prompts_per_iteration, "fitting step") for r in fitted]:
         dp = plan.roles[role].parallel.dp
-        if sequences % (dp * work.mini_batches_per_epoch):
-            raise SpecError(f"{sequences} sequences per iteration do not split into {dp} "
-                            f"data-parallel ranks x {work.mini_batches_per_epoch} mini-batches "
-                            f"({role}); choose a multiple of {dp * work.mini_batches_per_epoch}",
+        if rows % (dp * work.mini_batches_per_epoch):
+            raise SpecError(f"{rows} sequences per {what} do not split into {dp} "
+                            "data-parallel ranks x "
+                            f"{work.mini_batches_per_epoch} mini-batches ({role}); choose a "
+                            f"multiple of {dp * work.mini_batches_per_epoch}",
                             key="workload.prompts_per_iteration")
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
@@ -99,9 +105,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
 
     dataflow = job.dataflow
     work = job.workload
-    rl = options.rl
-    if job.algorithm == "grpo":
-        rl = RLConfig(**{**to_mapping(rl), "kl_mode": "loss"})
+    rl = options.rl.resolved(job.algorithm)
     configs = {}
     for index, role in enumerate(job.gpu_roles):
         rp = plan.roles[role]
@@ -257,7 +261,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
-                    "ray_address": options.address or "local (virtual GPUs)"}
+                    "ray_address": options.address or (
+                        "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
             write_run(options.out, rows, metrics, meta, plan)
         return RunResult(rows=rows, metrics=metrics, out=options.out, seconds=seconds)
     finally:

@@ -70,6 +70,5 @@ class SortDigits:
 
     def cost(self, prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         """1.0 where the response writes the forbidden digit before its EOS, else 0.0."""
-        written = responses[:, :self.digits + 1]
-        before_eos = (written == EOS).long().cumsum(dim=1) == 0
-        return ((written == self.forbidden_token) & before_eos).any(dim=1).float()
+        before_eos = (responses == EOS).long().cumsum(dim=1) == 0
+        return ((responses == self.forbidden_token) & before_eos).any(dim=1).float()

@@ -77,6 +77,23 @@ def tensor_parallel_plan(spec: ModelSpec, value_head: bool) -> dict:
     return plan
 
 
+def move_plain_tensors(model: torch.nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers that are plain tensors (not DTensor shards, which
+    already live on their mesh's device) to ``device``, keeping tied parameters tied."""
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DTensor) or param.device == device:
+                continue
+            if id(param) not in moved:
+                moved[id(param)] = torch.nn.Parameter(param.detach().to(device),
+                                                      requires_grad=param.requires_grad)
+            module._parameters[name] = moved[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Global gradient norm over every rank's shards, in one all-reduce; scales gradients
     down to ``max_norm`` (0: measure only).
@@ -137,17 +154,21 @@ class Trainer:
         self.dp_group = self.mesh.get_group("dp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_rank = self.mesh.get_local_rank("tp")
+        # Built on the CPU: tensor parallelism and FSDP move each parameter's shard (FSDP:
+        # each unit) to the device as they split it, so no GPU ever holds the whole model.
         model = build_model(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
-        model.to(worker_device())
+        self.fsdp = par.sharding == "fsdp" and par.dp > 1
+        if par.tp == 1 and not self.fsdp:
+            model.to(worker_device())  # a whole replica per GPU anyway
         if par.tp > 1:
             parallelize_module(model, self.mesh["tp"], tensor_parallel_plan(spec, value_head))
             if spec.tied_embeddings and not value_head:
                 model.lm_head.weight = model.model.embed_tokens.weight
-        self.fsdp = par.sharding == "fsdp" and par.dp > 1
         if self.fsdp:
             for layer in model.model.layers:
                 fully_shard(layer, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
+        move_plain_tensors(model, worker_device())  # e.g. norms, which tp leaves replicated
         if not trainable:
             model.requires_grad_(False)
         self.model: CausalLM = model

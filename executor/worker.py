@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 
 from executor.batch import Batch
-from executor.device import bind_local_gpu, has_gpu, process_group_backend, worker_device
+from executor.device import (
+    bind_local_gpu,
+    has_gpu,
+    peak_memory_bytes,
+    process_group_backend,
+    reset_peak_memory,
+    synchronize,
+    worker_device,
+)
 from executor.roles import ROLE_CLASSES, Role, RoleConfig
 
 
@@ -39,13 +47,13 @@ class SetWorker:
         self._state_recorded: dict[str, set[str]] = {}
         self._last_state: dict[str, dict[str, int]] = {}
 
-    def location(self) -> tuple[str, str]:
+    def location(self) -> tuple[str, int]:
         """(node IP as Ray sees it, GPU id): the controller orders ranks by these so that
         consecutive ranks (tensor-parallel groups) share a node."""
         import ray
 
         gpu_ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), str(gpu_ids[0]) if gpu_ids else ""
+        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
 
     def free_port(self) -> int:
         """A free TCP port on this worker's node, for the group's rendezvous (rank 0)."""
@@ -75,6 +83,8 @@ class SetWorker:
     def call(self, role: str, method: str, payload: Any) -> tuple[Any, dict[str, Any]]:
         """Run ``role.method(payload)``; the second return value is this rank's record."""
         target = self.roles[role]
+        synchronize()
+        reset_peak_memory()
         start_wall = time.time()
         start = time.perf_counter()
         if isinstance(payload, Batch):
@@ -82,12 +92,13 @@ class SetWorker:
         result = getattr(target, method)(payload)
         if isinstance(result, Batch):
             result = result.to("cpu")
+        synchronize()  # an update returns only metrics: its kernels may still be queued
         seconds = time.perf_counter() - start
         info: dict[str, Any] = {
             "rank": self.rank, "start": start_wall, "end": start_wall + seconds,
             "compute_seconds": seconds,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if has_gpu() else None,
+            "peak_gpu_bytes": peak_memory_bytes(),
         }
         if method not in self._state_recorded.get(role, set()):
             # Model state only changes shape in the first calls (optimizer states appear at

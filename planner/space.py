@@ -62,10 +62,9 @@ def set_sizes(total_gpus: int, gpus_per_node: int) -> list[int]:
 def pack(sizes: tuple[int, ...], total_gpus: int, gpus_per_node: int) -> list[int] | None:
     """First GPU of each set, or None if the sets do not fit the cluster.
 
-    Whole-node sets take whole nodes from the start; sub-node sets (powers of two) fill the
-    remaining nodes largest first, which packs them without gaps whenever their total fits
-    and a node holds a power of two GPUs; otherwise a set that would straddle two nodes
-    starts on the next one.
+    Whole-node sets take whole nodes from the start; sub-node sets go, largest first, into
+    the first remaining node with room (first-fit decreasing), never straddling two nodes.
+    With nodes of a power of two GPUs this packs them without gaps whenever their total fits.
     """
     first = [0] * len(sizes)
     cursor = 0
@@ -73,14 +72,20 @@ def pack(sizes: tuple[int, ...], total_gpus: int, gpus_per_node: int) -> list[in
         if size >= gpus_per_node:
             first[i] = cursor
             cursor += size
+    if cursor > total_gpus:
+        return None
+    node_starts = range(cursor, total_gpus - gpus_per_node + 1, gpus_per_node)
+    used = [0] * len(node_starts)  # GPUs taken in each remaining node
     small = sorted((i for i, s in enumerate(sizes) if s < gpus_per_node),
                    key=lambda i: (-sizes[i], i))
     for i in small:
-        if cursor % gpus_per_node + sizes[i] > gpus_per_node:
-            cursor += gpus_per_node - cursor % gpus_per_node  # never straddle a node
-        first[i] = cursor
-        cursor += sizes[i]
-    return first if cursor <= total_gpus else None
+        node = next((n for n, taken in enumerate(used)
+                     if taken + sizes[i] <= gpus_per_node), None)
+        if node is None:
+            return None
+        first[i] = node_starts[node] + used[node]
+        used[node] += sizes[i]
+    return first
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
     pin = job.parallel.get(role)
     pinned = pin.set_fields() if pin else {}
     tp = pinned.get("tp", tp)
-    pp = pinned.get("pp", 1)
+    # Virtual stages need a pipeline: with only vpp pinned, try the shortest one.
+    pp = pinned.get("pp", 2 if pinned.get("vpp", 1) > 1 else 1)
     par = ParallelConfig(
         tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), vpp=pinned.get("vpp", 1),
         sharding=pinned.get("sharding", "optimizer" if trained and gpus > tp * pp else "none"),
@@ -59,10 +60,10 @@ def colocate_plan(job: JobSpec) -> Plan:
         if any(job.model(r).heads % tp for r in roles):
             continue
         for gen_tp in [t for t in tps if t <= tp]:
-            plan = Plan(algorithm=job.algorithm, strategy="colocate",
-                        sets=(ColocatedSet(roles=roles, gpus=gpus, first_gpu=0),),
-                        roles={r: _role_plan(job, r, gpus, tp, gen_tp) for r in roles})
             try:
+                plan = Plan(algorithm=job.algorithm, strategy="colocate",
+                            sets=(ColocatedSet(roles=roles, gpus=gpus, first_gpu=0),),
+                            roles={r: _role_plan(job, r, gpus, tp, gen_tp) for r in roles})
                 plan.validate(job)
                 result = simulate(job, plan)
             except SpecError as exc:

@@ -170,15 +170,22 @@ def test_sort_digits_rule() -> None:
 
 def test_safe_rlhf_cost_rule_multiplier_and_scores() -> None:
     task = SortDigits(digits=3, values=5)  # the forbidden digit is 4 (token 8)
-    prompts = torch.tensor([[1, 8, 4, 5, 3]] * 3)
-    responses = torch.tensor([[4, 5, 8, EOS], [4, 5, EOS, 8], [4, 5, 6, EOS]])
-    # Written before EOS costs 1; after EOS it is padding and costs nothing.
-    assert task.cost(prompts, responses).tolist() == [1.0, 0.0, 0.0]
+    prompts = torch.tensor([[1, 8, 4, 5, 3]] * 4)
+    responses = torch.tensor([[4, 5, 8, EOS, 0], [4, 5, EOS, 8, 0], [4, 5, 6, EOS, 0],
+                              [4, 5, 6, 6, 8]])
+    # Written before EOS costs 1 (wherever it is); after EOS it is padding and costs nothing.
+    assert task.cost(prompts, responses).tolist() == [1.0, 0.0, 0.0, 1.0]
     # The multiplier rises above the threshold, falls below it, and stays positive.
     assert rl.update_lagrange(1.0, 0.5, 0.2, 0.5) > 1.0
     assert 0.0 < rl.update_lagrange(1.0, 0.0, 0.2, 0.5) < 1.0
     assert rl.update_lagrange(1.0, 0.2, 0.2, 0.5) == 1.0
     assert rl.update_lagrange(2.0, 0.7, 0.2, 0.1) == pytest.approx(2.0 * math.exp(0.1))
+    # A cost stuck above the threshold drives lambda to its bound, never to an overflow.
+    multiplier = 1.0
+    for _ in range(50):
+        multiplier = rl.update_lagrange(multiplier, 1.0, 0.0, 0.5, maximum=10.0)
+    assert multiplier == 10.0
+    assert rl.update_lagrange(0.0, 1.0, 0.0, 0.5) == 0.0  # lambda 0: the constraint is off
     scores = rl.safe_scores(torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0]), 1.0)
     assert scores.tolist() == [0.5, 0.0]
     lp = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
@@ -253,7 +260,7 @@ def test_worker_groups_refuse_tensor_parallel_groups_across_nodes() -> None:
     group.check_groups_share_nodes(4, "tp=4")  # two whole groups per node: fine
     group.check_groups_share_nodes(2, "tp=2")
     group.nodes = ["10.0.0.1"] * 3 + ["10.0.0.2"] * 5
-    with pytest.raises(RuntimeError, match=r"ranks 0-3 \(tp=4\) landed on nodes"):
+    with pytest.raises(SpecError, match=r"ranks 0-3 \(tp=4\) landed on nodes"):
         group.check_groups_share_nodes(4, "tp=4")
 
 
@@ -265,3 +272,22 @@ def test_batches_travel_as_cpu_arrays_and_move_to_the_worker_device() -> None:
     assert moved["ids"] is batch["ids"]  # no copy where already there
     back = pickle.loads(pickle.dumps(batch))
     assert torch.equal(back["ids"], batch["ids"]) and back.meta == {"k": 1}
+
+
+def test_plain_tensors_move_to_the_device_and_ties_survive() -> None:
+    from executor.device import local_gpu_index
+    from executor.trainer import move_plain_tensors
+
+    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    second.weight = first.weight
+    model = torch.nn.Sequential(first, second)
+    model.register_buffer("scale", torch.ones(2))
+    move_plain_tensors(model, torch.device("meta"))  # a device other than the CPU
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.scale.device.type == "meta"
+    assert model[0].weight is model[1].weight
+    # Ray's GPU id -> the worker's CUDA index (Ray usually narrows CUDA_VISIBLE_DEVICES).
+    assert local_gpu_index([5], "5") == 0
+    assert local_gpu_index([5], "4,5") == 1
+    assert local_gpu_index([5], None) == 5
+    assert local_gpu_index([], None) == 0

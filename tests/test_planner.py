@@ -101,6 +101,10 @@ def test_set_shapes_and_packing() -> None:
     assert pack((16, 8, 8), 32, 8) == [0, 16, 24]
     assert pack((4, 8, 2, 2), 16, 8) == [8, 0, 12, 14]  # whole nodes first, then the rest
     assert pack((8, 8, 4), 16, 8) is None
+    # Nodes of 6 or 3 GPUs: sub-node sets still find the holes, never straddling a node.
+    assert pack((4, 4, 2, 2), 12, 6) == [0, 6, 4, 10]
+    assert pack((2, 1, 2, 1), 6, 3) == [0, 2, 3, 5]
+    assert pack((4, 4, 4), 12, 6) is None
 
 
 def test_more_gpus_never_make_the_best_plan_slower() -> None:

@@ -78,7 +78,7 @@ class ParallelConfig:
         stages = self.pp * self.vpp
         if model.layers % stages:
             raise SpecError(f"pp*vpp={stages} does not divide the {model.layers} layers of "
-                            f"{model.name}", key=f"{prefix}pp")
+                            f"{model.name}", key=f"{prefix}{'vpp' if self.vpp > 1 else 'pp'}")
 
     def short(self) -> str:
         """A compact label like 'pp1-tp4-dp2' (with '-fsdp' / '-zero1')."""
