@@ -254,6 +254,12 @@ class CalibrationResult:
     residual_after: float
     rows: int
     runs: tuple[str, ...] = field(default_factory=tuple)
+    at_bounds: dict[str, str] = field(default_factory=dict)
+    """Parameter -> 'lower' or 'upper' for the fitted values that ended at a bound."""
+    held_out_before: dict[str, Any] | None = None
+    """``accuracy`` of the base profile on the held-out runs (when given)."""
+    held_out_after: dict[str, Any] | None = None
+    """``accuracy`` of the fitted profile on the held-out runs (when given)."""
 
 
 def _apply(profile: DeviceProfile, params: Sequence[Parameter], x: np.ndarray) -> DeviceProfile:
@@ -285,10 +291,18 @@ def _rms_relative(runs: Sequence[Run], profile: DeviceProfile, skip: int) -> flo
          / (r["measured_seconds"] + FLOOR_SECONDS)) ** 2 for r in rows])))
 
 
+BOUND_TOLERANCE = 1e-3
+"""A fitted value within this relative distance of a bound counts as at the bound."""
+
+
 def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | None = None,
-              skip: int = 1, name: str | None = None) -> CalibrationResult:
+              skip: int = 1, name: str | None = None,
+              held_out: Sequence[Run] = ()) -> CalibrationResult:
     """Least-squares fit (scipy, log space) of ``fit`` parameters to the runs' stage and
-    iteration times. Refuses when the runs do not constrain a parameter."""
+    iteration times. Refuses when the runs do not constrain a parameter, and, given
+    ``held_out`` runs, when the fitted profile predicts them worse (per-plan median |error|)
+    than ``base`` does. Parameters that end at a bound are reported in ``at_bounds`` and in
+    the profile's provenance."""
     from scipy.optimize import least_squares
 
     if not runs:
@@ -330,20 +344,54 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
     fitted = _apply(base, params, solution.x)
     after = _rms_relative(runs, fitted, skip)
     values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
+    at_bounds = {}
+    for param, value in zip(params, np.exp(solution.x), strict=True):
+        if value <= param.lower * (1 + BOUND_TOLERANCE):
+            at_bounds[param.name] = "lower"
+        elif value >= param.upper * (1 - BOUND_TOLERANCE):
+            at_bounds[param.name] = "upper"
     if "call_seconds" not in values:
         values["call_seconds (measured)"] = fitted.overheads.call_seconds
+    held_before = held_after = None
+    accuracy_record: dict[str, float] = {}
+    if held_out:
+        held_before = accuracy(held_out, base, skip=skip)
+        held_after = accuracy(held_out, fitted, skip=skip)
+        if held_after["median_abs_error_pct"] > held_before["median_abs_error_pct"]:
+            raise SpecError(
+                f"refusing to write the fit: on the {len(held_out)} held-out run(s) its median "
+                f"|error| per plan is {held_after['median_abs_error_pct']:.1f}%, worse than "
+                f"{held_before['median_abs_error_pct']:.1f}% of {base.name} unfitted (the fit "
+                "describes its own runs only: fit on more varied runs or fewer parameters)",
+                key="--held-out")
+        accuracy_record = {
+            "median_abs_error_pct": held_after["median_abs_error_pct"],
+            "max_abs_error_pct": held_after["max_abs_error_pct"],
+            "bias_pct": held_after["bias_pct"],
+            "held_out_runs": float(len(held_out)),
+            "held_out_plans": float(held_after["plans"]),
+            "unfitted_median_abs_error_pct": held_before["median_abs_error_pct"]}
+        if held_after["kendall_tau"] is not None:
+            accuracy_record["kendall_tau"] = held_after["kendall_tau"]
+    from planner.provenance import code_fingerprint, git_commit
+
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+    bounds_note = ("; at a bound: " + ", ".join(f"{k} ({v})" for k, v in at_bounds.items())
+                   if at_bounds else "")
     provenance = Provenance(
         source=f"calibrated from {len(runs)} executor run(s) on top of {base.name}",
         fitted_on=tuple(str(r.path) for r in runs), fitted_at=now,
-        residual_before=before, residual_after=after,
-        notes=f"fitted {', '.join(f'{k}={v:.4g}' for k, v in values.items())}; "
-              f"base provenance: {base.provenance.source}")
+        residual_before=before, residual_after=after, accuracy=accuracy_record,
+        parameters_at_bounds=tuple(f"{k}={v}" for k, v in at_bounds.items()),
+        commit=git_commit(), code_fingerprint=code_fingerprint(),
+        notes=f"fitted {', '.join(f'{k}={v:.4g}' for k, v in values.items())}"
+              f"{bounds_note}; base provenance: {base.provenance.source}")
     fitted = replace(fitted, name=name or f"{base.name}-calibrated", provenance=provenance)
     return CalibrationResult(profile=fitted, values=values, residual_before=before,
                              residual_after=after,
                              rows=sum(len(predict(r, base, skip=skip)) for r in runs),
-                             runs=tuple(str(r.path) for r in runs))
+                             runs=tuple(str(r.path) for r in runs), at_bounds=at_bounds,
+                             held_out_before=held_before, held_out_after=held_after)
 
 
 def measured_call_seconds(runs: Sequence[Run]) -> float:
@@ -357,9 +405,37 @@ def measured_call_seconds(runs: Sequence[Run]) -> float:
     return float(np.median(values)) if values else 0.0
 
 
+def plan_groups(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """Runs grouped by the plan they ran (repeats of one plan form one group), keyed by the
+    first run's directory name, in the order the runs were given."""
+    groups: dict[str, list[Run]] = {}
+    names: dict[str, str] = {}
+    for run in runs:
+        identity = json.dumps(run.plan.to_value(), sort_keys=True)
+        name = names.setdefault(identity, run.path.name)
+        groups.setdefault(name, []).append(run)
+    return groups
+
+
+def _signed_summary(errors: Sequence[float]) -> dict[str, float]:
+    """Median and max of |error| and the mean signed error (bias: > 0 predicts too slow)."""
+    if not len(errors):
+        return {"median_abs_error_pct": 0.0, "max_abs_error_pct": 0.0, "bias_pct": 0.0}
+    values = np.asarray(errors, dtype=float)
+    return {"median_abs_error_pct": float(np.median(np.abs(values))),
+            "max_abs_error_pct": float(np.max(np.abs(values))),
+            "bias_pct": float(np.mean(values))}
+
+
 def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> dict[str, Any]:
-    """Per-stage and per-iteration error of ``profile`` on ``runs``; Kendall tau between
-    measured and predicted iteration times across the runs (their plans)."""
+    """Per-stage, per-iteration and per-plan error of ``profile`` on ``runs``; Kendall tau
+    between measured and predicted iteration times across plans.
+
+    A plan's measured time is the median over its runs (repeats) of each run's median
+    iteration: one slow iteration on a shared machine (a neighbour's burst, a garbage
+    collection) or one slow run should not decide it. Errors are signed (predicted minus
+    measured, over measured): a bias that keeps its sign is a missing mechanism.
+    """
     from scipy.stats import kendalltau
 
     rows = [r for run in runs for r in predict(run, profile, skip=skip)]
@@ -368,41 +444,48 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
                         key="runs")
     iterations = [r for r in rows if r["node"] == "iteration"]
     stages = [r for r in rows if r["node"] != "iteration"]
-    # Median over a run's iterations: one slow iteration on a shared machine (a neighbour's
-    # burst, a garbage collection) should not decide a plan's measured time.
     per_run = pd.DataFrame(iterations).groupby("run")[["measured_seconds",
                                                        "predicted_seconds"]].median()
+    per_plan = []
+    for name, members in plan_groups(runs).items():
+        medians = per_run.loc[[m.path.name for m in members if m.path.name in per_run.index]]
+        if medians.empty:
+            continue
+        measured = float(medians["measured_seconds"].median())
+        predicted = float(medians["predicted_seconds"].median())
+        per_plan.append({
+            "run": name, "placement": members[0].plan.placement, "repeats": len(medians),
+            "measured_iteration_seconds": measured, "predicted_iteration_seconds": predicted,
+            "repeat_spread_pct": float(100.0 * (medians["measured_seconds"].max()
+                                                - medians["measured_seconds"].min())
+                                       / measured),
+            "error_pct": 100.0 * (predicted - measured) / measured})
     tau = None
-    if len(per_run) >= 2:
-        value = kendalltau(per_run["measured_seconds"], per_run["predicted_seconds"]).statistic
+    if len(per_plan) >= 2:
+        value = kendalltau([p["measured_iteration_seconds"] for p in per_plan],
+                           [p["predicted_iteration_seconds"] for p in per_plan]).statistic
         tau = None if value != value else float(value)
-
-    def summary(selected: list[dict[str, Any]]) -> tuple[float, float]:
-        errors = [abs(r["error_pct"]) for r in selected]
-        return (float(np.median(errors)), float(max(errors))) if errors else (0.0, 0.0)
-
-    plan_errors = [100.0 * (v["predicted_seconds"] - v["measured_seconds"])
-                   / v["measured_seconds"] for _, v in per_run.iterrows()]
-    iteration_median, iteration_worst = summary(iterations)
-    stage_median, stage_worst = summary(stages)
+    plan_summary = _signed_summary([p["error_pct"] for p in per_plan])
+    iteration_summary = _signed_summary([r["error_pct"] for r in iterations])
+    stage_summary = _signed_summary([r["error_pct"] for r in stages])
+    per_stage = {}
+    if stages:
+        for node, group in pd.DataFrame(stages).groupby("node"):
+            per_stage[str(node)] = _signed_summary(group["error_pct"].tolist())
     return {
         "profile": profile.name,
         "runs": len(runs),
-        # Per plan: its predicted iteration time against its median measured iteration time.
-        "median_abs_error_pct": float(np.median(np.abs(plan_errors))),
-        "max_abs_error_pct": float(np.max(np.abs(plan_errors))),
+        "plans": len(per_plan),
+        # Per plan: its predicted iteration time against its measured one (see above).
+        **plan_summary,
         "kendall_tau": tau,
-        "iteration_median_abs_error_pct": iteration_median,
-        "iteration_max_abs_error_pct": iteration_worst,
-        "stage_median_abs_error_pct": stage_median,
-        "stage_max_abs_error_pct": stage_worst,
-        "per_run": [{"run": run, "measured_iteration_seconds": float(v["measured_seconds"]),
-                     "predicted_iteration_seconds": float(v["predicted_seconds"]),
-                     "error_pct": error}
-                    for (run, v), error in zip(per_run.iterrows(), plan_errors, strict=True)],
+        **{f"iteration_{k}": v for k, v in iteration_summary.items()},
+        **{f"stage_{k}": v for k, v in stage_summary.items()},
+        "per_stage": per_stage,
+        "per_run": per_plan,
         "rows": rows,
     }
 
 
 __all__ = ["PARAMETERS", "CalibrationResult", "Run", "accuracy", "calibrate", "load_run",
-           "predict", "predicted_stages"]
+           "plan_groups", "predict", "predicted_stages"]

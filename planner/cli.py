@@ -543,6 +543,11 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
     if placement:
         groups = parse_placement(placement, job.gpu_roles)
         pinned = tuple(tuple(r for r in job.gpu_roles if r in g) for g in groups)
+    from planner.provenance import stale_calibration
+
+    stale = stale_calibration(job.cluster.profile())
+    if stale:
+        click.echo(f"hybridflow: warning: {stale}", err=True)
     progress = SearchProgress(enabled=not as_json)
     with _about(config or plan_path):
         result = plan_job(job, options, pinned=pinned, given=given, progress=progress)
@@ -782,18 +787,22 @@ def _runs(paths: tuple[str, ...]) -> list[Any]:
                    "next to the base profile).")
 @click.option("--fit", default=None,
               help="Comma-separated parameters to fit (default: all; see the README).")
+@click.option("--held-out", "held_out", multiple=True, type=click.Path(file_okay=False),
+              help="A run not fitted on, to measure the fit's error (repeatable). The profile "
+                   "is not written when it predicts these worse than the base profile.")
 @click.option("--skip", type=click.IntRange(min=0), default=1, show_default=True,
               help="Leading iterations of each run to ignore (start-up costs).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit: str | None,
-              skip: int, as_json: bool) -> None:
+              held_out: tuple[str, ...], skip: int, as_json: bool) -> None:
     """Fit a profile's free parameters to executor runs."""
     from planner.calibration import calibrate as fit_profile
     from profiles.device import resolve_profile_path, write_profile_file
 
     base = _load_device(profile_name)
     result = fit_profile(_runs(runs), base, fit=fit.split(",") if fit else None, skip=skip,
-                         name=Path(output).stem if output else None)
+                         name=Path(output).stem if output else None,
+                         held_out=_runs(held_out) if held_out else ())
     path = Path(output) if output else resolve_profile_path(profile_name).with_name(
         f"{result.profile.name}.yaml")
     write_profile_file(result.profile, path,
@@ -801,7 +810,13 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
     summary = {"profile": str(path), "values": result.values,
                "residual_before": result.residual_before,
                "residual_after": result.residual_after, "rows": result.rows,
-               "runs": list(result.runs)}
+               "runs": list(result.runs), "at_bounds": result.at_bounds,
+               "held_out": None if result.held_out_after is None else {
+                   key: {k: result_part[k] for k in ("median_abs_error_pct",
+                                                     "max_abs_error_pct", "bias_pct",
+                                                     "kendall_tau")}
+                   for key, result_part in (("before", result.held_out_before),
+                                            ("after", result.held_out_after))}}
     if as_json:
         _emit_json(summary)
         return
@@ -809,7 +824,19 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
                f"{len(runs)} run(s): relative RMS error {result.residual_before:.1%} -> "
                f"{result.residual_after:.1%}")
     for key, value in result.values.items():
-        click.echo(f"  {key:<24} {value:.4g}")
+        bound = result.at_bounds.get(key)
+        click.echo(f"  {key:<24} {value:.4g}"
+                   + (f"   at its {bound} bound" if bound else ""))
+    for key, bound in result.at_bounds.items():
+        click.echo(f"warning: {key} ended at its {bound} bound: the runs push it past the range "
+                   "the model allows, so a mechanism is missing (or it does not matter for "
+                   "these runs and should be left out with --fit)", err=True)
+    if result.held_out_after is not None:
+        before, after = result.held_out_before, result.held_out_after
+        click.echo(f"held-out runs ({len(held_out)}): median |error| per plan "
+                   f"{before['median_abs_error_pct']:.1f}% -> "
+                   f"{after['median_abs_error_pct']:.1f}%, max {after['max_abs_error_pct']:.1f}%,"
+                   f" bias {after['bias_pct']:+.1f}%")
     click.echo(f"wrote {path}")
 
 
@@ -831,18 +858,20 @@ def accuracy(runs: tuple[str, ...], profile_name: str | None, skip: int,
     if as_json:
         _emit_json(result)
         return
-    frame = __import__("pandas").DataFrame(result["rows"])
-    stages = frame[frame["node"] != "iteration"].groupby("node")["error_pct"].agg(
-        lambda e: float(abs(e).median()))
-    click.echo(f"profile {result['profile']} on {result['runs']} run(s):")
+    click.echo(f"profile {result['profile']} on {result['runs']} run(s) of "
+               f"{result['plans']} plan(s) (error = predicted - measured; + is too slow):")
     for run in result["per_run"]:
-        click.echo(f"  {run['run']:<40} measured {run['measured_iteration_seconds']:.3f} s, "
-                   f"predicted {run['predicted_iteration_seconds']:.3f} s per iteration")
-    click.echo("  median |error| per stage: " + ", ".join(
-        f"{node} {value:.0f}%" for node, value in stages.items()))
+        repeats = f" (median of {run['repeats']} runs)" if run["repeats"] > 1 else ""
+        click.echo(f"  {run['run']:<32} measured {run['measured_iteration_seconds']:.3f} s, "
+                   f"predicted {run['predicted_iteration_seconds']:.3f} s per iteration "
+                   f"{run['error_pct']:+6.1f}%{repeats}")
+    click.echo("  per stage, median |error| (bias): " + ", ".join(
+        f"{node} {s['median_abs_error_pct']:.0f}% ({s['bias_pct']:+.0f}%)"
+        for node, s in result["per_stage"].items()))
     tau = "n/a" if result["kendall_tau"] is None else f"{result['kendall_tau']:.2f}"
-    click.echo(f"iteration |error|: median {result['median_abs_error_pct']:.1f}%, max "
-               f"{result['max_abs_error_pct']:.1f}%; ranking of plans (Kendall tau) {tau}")
+    click.echo(f"per plan: median |error| {result['median_abs_error_pct']:.1f}%, max "
+               f"{result['max_abs_error_pct']:.1f}%, bias {result['bias_pct']:+.1f}%; ranking "
+               f"of plans (Kendall tau) {tau}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -862,14 +891,24 @@ def validate(as_json: bool) -> None:
             "groups": [{"group": g.group, "source": g.source, "cases": g.cases,
                         "mean_abs_error_pct": g.mean_abs_error_pct,
                         "max_abs_error_pct": g.max_abs_error_pct,
+                        "bias_pct": g.bias_pct, "bias_direction": g.bias_direction,
+                        "metric": g.metric,
                         "target_max_abs_error_pct": g.target_max_abs_error_pct,
-                        "meets_target": g.meets_target} for g in groups],
+                        "meets_target": g.meets_target,
+                        "gate_mean_abs_error_pct": g.gate_mean_abs_error_pct,
+                        "gate_max_abs_error_pct": g.gate_max_abs_error_pct,
+                        "within_gate": g.within_gate,
+                        "assumptions": list(g.assumptions)} for g in groups],
         })
     else:
+        click.echo("error = (predicted - measured) / measured; bias = mean error, with what "
+                   "its sign means for the group's metric")
         for g in groups:
             rows = table[table["group"] == g.group]
             click.echo(f"\n{g.group}  ({rows['metric'].iloc[0]})")
             click.echo(f"  source: {g.source}")
+            for assumption in g.assumptions:
+                click.echo(f"  assumption: {assumption}")
             click.echo(f"  {'case':<40} {'measured':>10} {'predicted':>10} {'error':>8}")
             for _, row in rows.iterrows():
                 click.echo(f"  {row['case']:<40} {row['measured']:>10.2f} "
@@ -877,9 +916,12 @@ def validate(as_json: bool) -> None:
             target = ("" if g.target_max_abs_error_pct is None else
                       f"   target max <= {g.target_max_abs_error_pct:g}%: "
                       f"{'met' if g.meets_target else 'MISSED'}")
+            gate = (f"   gate {g.gate_mean_abs_error_pct:g}% / {g.gate_max_abs_error_pct:g}%: "
+                    + ("held" if g.within_gate else "REGRESSED"))
             click.echo(f"  mean |error| {g.mean_abs_error_pct:.2f}%   max |error| "
-                       f"{g.max_abs_error_pct:.2f}%{target}")
-    if any(g.meets_target is False for g in groups):
+                       f"{g.max_abs_error_pct:.2f}%   bias {g.bias_pct:+.2f}% ({g.bias_direction})"
+                       f"{target}{gate}")
+    if not all(g.passes for g in groups):
         sys.exit(EXIT_DOES_NOT_FIT)
 
 

@@ -176,6 +176,15 @@ class Provenance:
     accuracy: dict[str, float] = field(default_factory=dict)
     """Measured prediction error on runs not used for fitting (e.g. median_abs_error_pct,
     max_abs_error_pct, kendall_tau, runs), written by ``make accuracy``."""
+    parameters_at_bounds: tuple[str, ...] = ()
+    """Fitted parameters that ended at a bound of their allowed range (``name=lower`` or
+    ``name=upper``): the fit wanted to go further, so a mechanism is missing or the parameter
+    does not matter for these runs."""
+    commit: str | None = None
+    """Git commit of the code the fit ran on ('+dirty' when the checkout had changes)."""
+    code_fingerprint: str | None = None
+    """Hash of the executor and cost-model sources the fit ran on (planner/provenance.py);
+    ``hybridflow plan`` warns when the code has changed since."""
     notes: str = ""
     """Free text: machine, versions, settings."""
 
@@ -341,10 +350,3 @@ def write_profile_file(profile: DeviceProfile, path: str | Path, header: str = "
     text = yaml.safe_dump(mapping, sort_keys=False)
     write_text_atomic(path, (header if header.endswith("\n") or not header else header + "\n")
                       + text)
-
-
-def replace_provenance_accuracy(profile: DeviceProfile,
-                                accuracy: dict[str, float]) -> DeviceProfile:
-    """``profile`` with its measured prediction error recorded in the provenance."""
-    return dataclasses.replace(profile, provenance=dataclasses.replace(
-        profile.provenance, accuracy=dict(accuracy)))

@@ -115,23 +115,33 @@ def _job_summary(result: PlanningResult) -> list[tuple[str, str]]:
 
 def _accuracy_note(profile) -> str:
     """What is known about how far to trust predictions made with ``profile``."""
+    from planner.provenance import stale_calibration
     from simulator.validation import run_validation
 
     provenance = profile.provenance
+    stale = stale_calibration(profile)
+    warning = f" Warning: {stale}." if stale else ""
+    when = (f" (fitted {provenance.fitted_at}, commit {provenance.commit or 'unknown'})"
+            if provenance.fitted_at else "")
     if provenance.accuracy:
         acc = provenance.accuracy
-        return (f"Profile {profile.name}: {provenance.source}. Its measured error on "
-                f"{acc.get('held_out_runs', 0):.0f} held-out executor runs: median |error| of "
-                f"the iteration time {acc.get('median_abs_error_pct', 0):.1f}%, max "
-                f"{acc.get('max_abs_error_pct', 0):.1f}%, ranking of plans (Kendall tau) "
-                f"{acc.get('kendall_tau', 0):.2f}.")
+        plans = acc.get("held_out_plans", acc.get("held_out_runs", 0))
+        tau = (f", ranking of plans (Kendall tau) {acc['kendall_tau']:.2f}"
+               if "kendall_tau" in acc else "")
+        bias = f", bias {acc['bias_pct']:+.1f}%" if "bias_pct" in acc else ""
+        return (f"Profile {profile.name}: {provenance.source}{when}. Its measured error on "
+                f"{plans:.0f} held-out executor plans: median |error| of the iteration time "
+                f"{acc.get('median_abs_error_pct', 0):.1f}%, max "
+                f"{acc.get('max_abs_error_pct', 0):.1f}%{bias}{tau}.{warning}")
     if provenance.fitted_on:
-        return (f"Profile {profile.name}: {provenance.source}; relative RMS error of the "
+        return (f"Profile {profile.name}: {provenance.source}{when}; relative RMS error of the "
                 f"fitted stage times {provenance.residual_before or 0:.0%} -> "
-                f"{provenance.residual_after or 0:.0%} (not measured on held-out runs).")
+                f"{provenance.residual_after or 0:.0%} (not measured on held-out runs)."
+                f"{warning}")
     _, groups = run_validation()
     parts = [f"{g.group}: mean |error| {g.mean_abs_error_pct:.1f}%, max "
-             f"{g.max_abs_error_pct:.1f}%" for g in groups]
+             f"{g.max_abs_error_pct:.1f}%, bias {g.bias_pct:+.1f}% ({g.bias_direction})"
+             for g in groups]
     return (f"Profile {profile.name} ({provenance.source}) has not been calibrated on runs; "
             "the cost models' error against published measurements (`hybridflow validate`) "
             "is " + "; ".join(parts) + ".")

@@ -25,24 +25,58 @@ def run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_estimate_train_json_keys() -> None:
+# Llama-2-7B by hand (32 layers, hidden 4096, MLP 11008, vocab 32000): per layer 4 h^2 + 3 h f
+# linear weights + 2 h norm weights; embedding and untied head h v each.
+LLAMA2_7B_PER_LAYER = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+LLAMA2_7B_PARAMS = 32 * LLAMA2_7B_PER_LAYER + 2 * 32000 * 4096 + 4096  # + final norm
+TP2_LOCAL_PARAMS = (32 * LLAMA2_7B_PER_LAYER + 2 * 32000 * 4096) / 2  # final norm not counted
+
+
+def test_estimate_train_memory_and_mfu_by_hand() -> None:
     out = run_json("estimate", "train", "--model", "llama2-7b", "--gpus", "8", "--tp", "2",
-                   "--global-batch", "64", "--micro-batch", "2", "--seq-len", "2048")
-    assert {"seconds_per_iteration", "tokens_per_s_per_gpu", "mfu",
-            "memory_bytes_per_gpu"} <= set(out)
-    assert {"params", "grads", "optimizer", "activations", "total"} <= \
-        set(out["memory_bytes_per_gpu"])
-    assert 0 < out["mfu"] < 1
+                   "--global-batch", "64", "--micro-batch", "2", "--seq-len", "2048",
+                   "--distributed-optimizer")
+    assert LLAMA2_7B_PARAMS == 6_738_415_616  # the published Llama-2-7B parameter count
+    memory = out["memory_bytes_per_gpu"]
+    assert memory["params"] == 2 * TP2_LOCAL_PARAMS  # bf16 weights
+    assert memory["grads"] == 4 * TP2_LOCAL_PARAMS  # fp32 main gradients
+    assert memory["optimizer"] == 12 * TP2_LOCAL_PARAMS / 4  # Adam + master, over dp 4
+    assert memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"))
+    assert out["micro_batches"] == 8  # 64 sequences / (dp 4 x micro-batch 2)
+    # MFU: 3 x forward FLOPs (2 per weight of the linear layers and head, plus 4 s q per layer
+    # for attention) over seconds x 8 GPUs x 312 TFLOP/s.
+    forward_per_token = 2 * (32 * (LLAMA2_7B_PER_LAYER - 2 * 4096) + 32000 * 4096) \
+        + 4 * 32 * 4096 * 2048
+    flops = 64 * 2048 * 3 * forward_per_token
+    assert out["mfu"] == pytest.approx(flops / (out["seconds_per_iteration"] * 8 * 312e12),
+                                       rel=1e-9)
+    assert out["tokens_per_s_per_gpu"] == pytest.approx(
+        64 * 2048 / out["seconds_per_iteration"] / 8, rel=1e-9)
 
 
-def test_estimate_infer_and_generate_json_keys() -> None:
-    infer = run_json("estimate", "infer", "--model", "llama2-7b", "--gpus", "2", "--tp", "2",
-                     "--batch", "32", "--seq-len", "1024")
-    assert {"seconds", "tokens_per_s", "memory_bytes_per_gpu"} <= set(infer)
-    gen = run_json("estimate", "generate", "--model", "llama2-7b", "--device", "h100-80gb",
-                   "--tp", "2", "--batch", "64", "--prompt-len", "512", "--response-len", "512")
-    assert {"seconds", "tokens_per_s", "memory_bytes_per_gpu"} <= set(gen)
-    assert gen["seconds"] > 0 and gen["feasible"]
+def test_estimate_infer_memory_by_hand() -> None:
+    out = run_json("estimate", "infer", "--model", "llama2-7b", "--gpus", "2", "--tp", "2",
+                   "--batch", "64", "--seq-len", "2048")
+    memory = out["memory_bytes_per_gpu"]
+    assert memory["params"] == 2 * TP2_LOCAL_PARAMS
+    assert memory["grads"] == 0 and memory["optimizer"] == 0
+    assert out["tokens_per_s"] == pytest.approx(64 * 2048 / out["seconds"], rel=1e-9)
+
+
+def test_estimate_generate_decode_by_hand() -> None:
+    """Batch 1, 64 tokens after a 128-token prompt on one A100: each step streams the bf16
+    linear and head weights and the KV cache (160.5 tokens on average) at 2.039 TB/s x 0.87
+    and launches 10 kernels per layer at 5 us (a100-80gb.yaml)."""
+    out = run_json("estimate", "generate", "--model", "llama2-7b", "--tp", "1", "--batch",
+                   "1", "--prompt-len", "128", "--response-len", "64")
+    weights = 2 * (32 * (4 * 4096**2 + 3 * 4096 * 11008) + 32000 * 4096)
+    kv_per_token = 2 * 32 * 4096 * 2
+    step = (weights + 160.5 * kv_per_token) / (2.039e12 * 0.87) + 32 * 10 * 5e-6
+    assert out["decode_steps"] == 64
+    assert out["decode_seconds"] == pytest.approx(64 * step, rel=1e-6)
+    assert out["memory_bytes_per_gpu"]["kv_cache"] == (128 + 64) * kv_per_token
+    assert out["memory_bytes_per_gpu"]["params"] == 2 * LLAMA2_7B_PARAMS
+    assert out["tokens_per_s"] == pytest.approx(64 / out["seconds"], rel=1e-9)
 
 
 def test_simulate_json_keys_and_trace(tmp_path: Path) -> None:
@@ -68,13 +102,35 @@ def test_simulate_writes_report_dir_and_plan_round_trips(tmp_path: Path) -> None
     assert again["iteration_seconds"] == pytest.approx(first["iteration_seconds"])
 
 
-def test_validate_meets_the_korthikanti_target() -> None:
+def test_validate_meets_the_korthikanti_target_and_every_gate() -> None:
     out = run_json("validate")
     table5 = next(g for g in out["groups"] if g["group"] == "korthikanti_2022_table5")
     assert table5["cases"] == 8
     assert table5["max_abs_error_pct"] <= 10.0
     assert table5["meets_target"] is True
     assert all({"measured", "predicted", "error_pct"} <= set(c) for c in out["cases"])
+    for group in out["groups"]:  # a regression in any group fails CI
+        assert group["mean_abs_error_pct"] <= group["gate_mean_abs_error_pct"], group["group"]
+        assert group["max_abs_error_pct"] <= group["gate_max_abs_error_pct"], group["group"]
+        assert group["within_gate"] is True
+        cases = [c for c in out["cases"] if c["group"] == group["group"]]
+        assert group["bias_pct"] == pytest.approx(
+            sum(c["error_pct"] for c in cases) / len(cases))
+    trt = next(g for g in out["groups"] if g["group"] == "tensorrt_llm_a100_fp16")
+    assert any("per GPU" in a for a in trt["assumptions"])
+    assert trt["bias_direction"] == "too fast"  # higher throughput than measured
+
+
+def test_validate_fails_when_a_group_regresses(tmp_path: Path) -> None:
+    from simulator.validation import CASES_FILE, run_validation
+
+    text = CASES_FILE.read_text().replace("gate_max_abs_error_pct: 22.0",
+                                          "gate_max_abs_error_pct: 5.0")
+    cases = tmp_path / "cases.yaml"
+    cases.write_text(text)
+    _, groups = run_validation(cases)
+    failing = [g.group for g in groups if not g.passes]
+    assert failing == ["fastertransformer_a100_fp16"]
 
 
 @pytest.mark.parametrize(

@@ -140,14 +140,34 @@ def test_forward_pass_is_about_a_third_of_training() -> None:
     assert 0.25 < infer.seconds / train.seconds < 0.45
 
 
-def test_decode_is_memory_bound_at_small_batch() -> None:
+# Llama-2-7B by hand: 32 layers, hidden 4096, MLP 11008 (SwiGLU), vocab 32000, untied head.
+LLAMA2_7B_LINEAR_PER_LAYER = 4 * 4096 * 4096 + 3 * 4096 * 11008  # q, k, v, o + gate, up, down
+LLAMA2_7B_DECODE_WEIGHT_BYTES = 2 * (32 * LLAMA2_7B_LINEAR_PER_LAYER + 4096 * 32000)  # bf16
+LLAMA2_7B_KV_BYTES_PER_TOKEN = 2 * 32 * 4096 * 2  # K and V, every layer, bf16
+A100_STREAM_BYTES_PER_S = 2.039e12 * 0.87  # a100-80gb.yaml: HBM peak x streaming efficiency
+A100_LAUNCH_SECONDS = 5e-6  # a100-80gb.yaml: kernel_launch_seconds
+
+
+def test_decode_step_matches_a_hand_calculation() -> None:
+    """Batch 1: memory-bound, every step reads the weights once and the KV cache so far, and
+    launches 10 kernels per layer. 64 steps after a 128-token prompt: the cache holds
+    129 ... 192 tokens, 160.5 on average (the KV read is linear in it, so the mean is exact)."""
     model = MODEL_PRESETS["llama2-7b"]
-    gen = GenerationConfig(tp=1)
-    cost = generate(model, A100, gen, lengths=(100,), prompt_len=16, kv_budget_bytes=40 * GB)
-    weights = model.param_count * 2
-    per_step_floor = weights / A100.memory_bandwidth_bytes_per_s
-    per_step = cost.decode_seconds / cost.decode_steps
-    assert per_step_floor < per_step < 2.5 * per_step_floor
+    assert LLAMA2_7B_DECODE_WEIGHT_BYTES == 13_214_154_752
+    cost = generate(model, A100, GenerationConfig(tp=1), lengths=(64,), prompt_len=128,
+                    kv_budget_bytes=40 * GB)
+    per_step = ((LLAMA2_7B_DECODE_WEIGHT_BYTES + 160.5 * LLAMA2_7B_KV_BYTES_PER_TOKEN)
+                / A100_STREAM_BYTES_PER_S + 32 * 10 * A100_LAUNCH_SECONDS)
+    assert cost.decode_steps == 64
+    assert cost.decode_seconds == pytest.approx(64 * per_step, rel=1e-6)
+    assert per_step == pytest.approx(0.009097, rel=1e-3)  # 7.5 ms of HBM + 1.6 ms of launches
+    assert cost.memory.kv_cache == (128 + 64) * LLAMA2_7B_KV_BYTES_PER_TOKEN
+    # Tensor parallelism halves the bytes per GPU (KV heads split too); launches stay.
+    tp2 = generate(model, A100, GenerationConfig(tp=2), lengths=(64,), prompt_len=128,
+                   kv_budget_bytes=40 * GB)
+    tp2_memory = (LLAMA2_7B_DECODE_WEIGHT_BYTES + 160.5 * LLAMA2_7B_KV_BYTES_PER_TOKEN) / 2 \
+        / A100_STREAM_BYTES_PER_S
+    assert tp2.decode_seconds > 64 * (tp2_memory + 32 * 10 * A100_LAUNCH_SECONDS)
 
 
 def test_kv_capacity_limits_running_batch_and_is_reported() -> None:

@@ -62,8 +62,11 @@ def test_longer_responses_never_shorten_generation(lengths: list[int], extra: in
 
 @settings(max_examples=60, deadline=None)
 @given(counts=st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=1, max_size=4))
-def test_plan_gpus_never_exceed_the_cluster(counts: list[int]) -> None:
+def test_aligned_plans_within_the_cluster_are_valid(counts: list[int]) -> None:
+    """Sets of power-of-two sizes laid out largest first start at multiples of their size, so
+    none straddles an 8-GPU node: such a plan is valid exactly when it fits the cluster."""
     roles = list(JOB.gpu_roles)
+    counts = sorted(counts, reverse=True)
     groups = [roles[i::len(counts)] for i in range(len(counts))]
     groups = [g for g in groups if g]
     sets, first = [], 0
@@ -80,9 +83,37 @@ def test_plan_gpus_never_exceed_the_cluster(counts: list[int]) -> None:
         with pytest.raises(SpecError, match="but the cluster has 16"):
             plan.validate(JOB)
         return
-    try:
-        plan.validate(JOB)
-    except SpecError:
-        return  # rejected for another reason (e.g. tp groups straddling nodes)
-    assert plan.total_gpus <= JOB.cluster.total_gpus
+    plan.validate(JOB)  # must not raise
     assert all(s.first_gpu + s.gpus <= JOB.cluster.total_gpus for s in plan.sets)
+
+
+@settings(max_examples=12, deadline=None)
+@given(algorithm=st.sampled_from(["ppo", "grpo", "remax"]),
+       model=st.sampled_from(["tiny-2l", "tiny-4l", "qwen2.5-0.5b"]),
+       nodes=st.sampled_from([1, 2]), gpus_per_node=st.sampled_from([2, 4, 8]),
+       backend=st.sampled_from(["any", "fsdp"]))
+def test_feasible_jobs_get_a_valid_plan(algorithm: str, model: str, nodes: int,
+                                        gpus_per_node: int, backend: str) -> None:
+    """Small models fit anywhere: the search must return a plan, and that plan validates."""
+    from planner.planning import plan_job
+    from planner.search import SearchOptions
+    from planner.space import SpaceOptions
+    from simulator.specs.job import job_from_mapping
+
+    roles = {"ppo": ("actor", "critic", "ref", "reward"), "grpo": ("actor", "ref"),
+             "remax": ("actor", "ref", "reward")}[algorithm]
+    models = {r: model for r in roles}
+    if algorithm == "grpo":
+        models["reward"] = "rule"
+    job = job_from_mapping({
+        "algorithm": algorithm, "models": models,
+        "cluster": {"nodes": nodes, "gpus_per_node": gpus_per_node, "device": "a100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "prompt_length": 64, "response_length": 64,
+                     "mini_batches_per_epoch": 2,
+                     "samples_per_prompt": 4 if algorithm == "grpo" else 1}})
+    options = SearchOptions(top_k=2, space=SpaceOptions(micro_batches=(1,), backend=backend))
+    result = plan_job(job, options)
+    assert result.best is not None, result.infeasible_reason
+    result.best.plan.validate(job)
+    assert result.best.iteration_seconds > 0
+    assert result.best.plan.total_gpus <= job.cluster.total_gpus

@@ -79,7 +79,9 @@ class DecodeStepModel:
         # instead of hiding behind the previous kernel as it does in training.
         launches = self.layers_per_stage * KERNELS_PER_LAYER_DECODE * \
             profile.overheads.kernel_launch_seconds
-        stage = (max(memory, compute) + comm + launches) * profile.correction("decode")
+        # The fitted decode correction scales the device work only (not collectives, which
+        # carry their own correction, nor the fixed per-kernel cost).
+        stage = max(memory, compute) * profile.correction("decode") + comm + launches
         # Without micro-batching across stages, a token passes every pipeline stage in turn.
         return self.pp * stage + profile.overheads.decode_step_seconds
 
@@ -135,13 +137,15 @@ def prefill_seconds(model: ModelSpec, profile: DeviceProfile, gen: GenerationCon
                        sequence_parallel=False, dtype=dtype, attention="flash",
                        recompute="none",
                        tp_crosses_nodes=group_crosses_nodes(gen.tp, 1, gpus_per_node))
-    stage = model.layers / gen.pp * (layer.forward_seconds + layer.tp_forward_seconds)
+    # The fitted prefill correction scales kernels only, not the TP collectives.
+    compute_scale = profile.correction("prefill_compute")
+    stage = model.layers / gen.pp * (layer.forward_seconds * compute_scale
+                                     + layer.tp_forward_seconds)
     # Only the last position of each prompt needs logits.
     head = head_forward_seconds(model, profile, tokens=batch, tp=gen.tp, dtype=dtype,
-                                value_head=False, loss=False)
+                                value_head=False, loss=False) * compute_scale
     per_chunk_seconds = stage + head
-    seconds = (chunks + gen.pp - 1) * per_chunk_seconds
-    return seconds * profile.correction("prefill_compute")
+    return (chunks + gen.pp - 1) * per_chunk_seconds
 
 
 @lru_cache(maxsize=4096)

@@ -48,18 +48,21 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
                        attention=attention, recompute="none", tp_crosses_nodes=tp_cross)
     tokens = mbs * seq_len
-    stage = model.layers / par.pp * (layer.forward_seconds + layer.tp_forward_seconds)
+    # The fitted compute correction scales kernels only, not collectives or per-call costs.
+    compute_scale = profile.correction("infer_compute")
+    forward = layer.forward_seconds * compute_scale
+    stage = model.layers / par.pp * (forward + layer.tp_forward_seconds)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
                                     par.dp, group_crosses_nodes(par.dp, par.tp, gpus_per_node))
-        per_layer_compute = layer.forward_seconds + layer.tp_forward_seconds
+        per_layer_compute = forward + layer.tp_forward_seconds
         overlap = profile.kind == "gpu"  # on a CPU the gathers compete for the same cores
         stage += (model.layers * max(0.0, gather - per_layer_compute) + gather if overlap
                   else model.layers * gather)
         stage += model.layers * profile.overheads.fsdp_unit_seconds
-    first = embedding_seconds(model, profile, tokens=tokens, dtype=dtype)
+    first = embedding_seconds(model, profile, tokens=tokens, dtype=dtype) * compute_scale
     last = head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
-                                value_head=value_head, loss=True)
+                                value_head=value_head, loss=True) * compute_scale
     if par.pp == 1:
         seconds = micro_batches * (stage + first + last)
     else:
@@ -68,7 +71,6 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
         message = tokens * model.hidden * DTYPE_BYTES[dtype] / par.tp
         seconds += (micro_batches + par.pp - 1) * p2p_seconds(
             profile, message, par.world_size > gpus_per_node)
-    seconds *= profile.correction("infer_compute")
     vocab_local = model.head_output_size(value_head=value_head) / (1 if value_head else par.tp)
     # One layer's intermediate tensors are live at a time, plus fp32 logits and log-softmax.
     activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local

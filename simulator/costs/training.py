@@ -101,17 +101,23 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     layers_per_stage = model.layers / par.pp
     tokens = mbs * seq_len
 
+    # The profile's fitted compute correction scales kernels only: collectives carry their
+    # own correction and fixed per-call costs none.
+    compute_scale = profile.correction("train_compute")
+    forward = layer.forward_seconds * compute_scale
+    backward = layer.backward_seconds * compute_scale
+
     # Per micro-batch, per stage: the transformer blocks of the stage.
-    recompute_extra = {"none": 0.0, "selective": layer.attention_core_seconds,
-                       "full": layer.forward_seconds + layer.tp_forward_seconds}[par.recompute]
-    body_compute = layers_per_stage * (layer.forward_seconds + layer.backward_seconds
-                                       + recompute_extra)
+    recompute_extra = {"none": 0.0, "selective": layer.attention_core_seconds * compute_scale,
+                       "full": forward + layer.tp_forward_seconds}[par.recompute]
+    body_compute = layers_per_stage * (forward + backward + recompute_extra)
     body_tp = layers_per_stage * (layer.tp_forward_seconds + layer.tp_backward_seconds)
 
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
-    first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype)
+    first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \
+        * compute_scale
     last_extra = 3 * head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
-                                          value_head=value_head, loss=True)
+                                          value_head=value_head, loss=True) * compute_scale
     if par.pp == 1:
         first_extra += last_extra
         last_extra = 0.0
@@ -125,8 +131,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                                          * MAIN_GRAD_BYTES, par.dp, dp_cross)
         fwd_comm = gather
         bwd_comm = gather + scatter
-        fwd_compute = layer.forward_seconds + layer.tp_forward_seconds
-        bwd_compute = (layer.backward_seconds + layer.tp_backward_seconds + recompute_extra)
+        fwd_compute = forward + layer.tp_forward_seconds
+        bwd_compute = backward + layer.tp_backward_seconds + recompute_extra
         # On a CPU the collectives run on the cores that compute: nothing overlaps.
         if par.overlap_param_gather and profile.kind == "gpu":
             # Prefetching hides a layer's communication behind the previous layer's compute.
@@ -173,7 +179,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         else:
             dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, dp_cross)
         if par.overlap_grad_reduce and profile.kind == "gpu":
-            window = layers_per_stage * (layer.backward_seconds + recompute_extra)
+            window = layers_per_stage * (backward + recompute_extra)
             dp_comm = max(0.0, dp_comm - window)
     if par.pp > 1 and model.tied_embeddings and not value_head:
         # Tied embedding gradients are all-reduced between the first and last stage.
@@ -186,8 +192,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,
                                        kernels=4)
 
-    correction = profile.correction("train_compute")
-    seconds = ((pipeline + p2p_total) * correction + dp_comm + optimizer_seconds
+    seconds = (pipeline + p2p_total + dp_comm + optimizer_seconds
                + profile.overheads.iteration_seconds)
 
     # Memory: resident states plus the activations in flight on the most loaded stage.
