@@ -280,9 +280,11 @@ def from_mapping(
 
 
 def to_mapping(obj: Any) -> Any:
-    """A dataclass (tree) as plain dicts/lists, for JSON/YAML output."""
+    """A dataclass (tree) as plain dicts/lists, for JSON/YAML output (derived fields, those
+    not given to the constructor, are left out)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if f.init}
     if isinstance(obj, (list, tuple)):
         return [to_mapping(v) for v in obj]
     if isinstance(obj, dict):

@@ -63,27 +63,31 @@ class EfficiencyCurve:
     points: tuple[tuple[float, float], ...] = field(metadata={"parse": _parse_points})
     """(size, fraction) pairs, sizes strictly increasing; the size's unit depends on the curve."""
 
-    _log_sizes: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    _log_fractions: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _sizes: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _fractions: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    _slopes: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    """d log(fraction) / d log(size) of each segment (the power law's exponent)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_log_sizes", tuple(math.log(p[0]) for p in self.points))
-        object.__setattr__(self, "_log_fractions", tuple(math.log(p[1]) for p in self.points))
+        sizes = tuple(p[0] for p in self.points)
+        fractions = tuple(p[1] for p in self.points)
+        slopes = tuple(math.log(f1 / f0) / math.log(s1 / s0) for (s0, f0), (s1, f1)
+                       in itertools.pairwise(self.points))
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "_fractions", fractions)
+        object.__setattr__(self, "_slopes", slopes)
 
     def at(self, size: float) -> float:
         """Fraction of peak achieved by an operation of ``size`` (same unit as the points)."""
-        logs = self._log_sizes
-        if size <= 0 or len(logs) == 1:
-            return self.points[0][1]
-        x = math.log(size)
-        if x <= logs[0]:
-            return self.points[0][1]
-        if x >= logs[-1]:
-            return self.points[-1][1]
-        i = bisect.bisect_right(logs, x)
-        x0, x1 = logs[i - 1], logs[i]
-        y0, y1 = self._log_fractions[i - 1], self._log_fractions[i]
-        return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+        # Hot path of every cost model (the search calls it millions of times): one bisect
+        # and one power, f0 * (size / s0) ** slope, instead of logs and an exponential.
+        sizes = self._sizes
+        if size <= sizes[0]:
+            return self._fractions[0]
+        if size >= sizes[-1]:
+            return self._fractions[-1]
+        i = bisect.bisect_right(sizes, size) - 1
+        return self._fractions[i] * (size / sizes[i]) ** self._slopes[i]
 
     @classmethod
     def constant(cls, fraction: float) -> EfficiencyCurve:

@@ -158,3 +158,71 @@ def test_shipped_cpu_profiles_load_and_the_calibrated_one_records_its_error() ->
     accuracy_record = calibrated.provenance.accuracy
     assert {"median_abs_error_pct", "max_abs_error_pct", "kendall_tau"} <= set(accuracy_record)
     assert all(math.isfinite(v) for v in accuracy_record.values())
+
+
+def test_fit_reports_parameters_that_end_at_a_bound() -> None:
+    base = load_profile("cpu-2core")
+    # The truth's training is 100x cheaper than the lowest correction the fit allows (0.05).
+    truth = PARAMETERS["train_compute"].set(base, 0.0005)
+    runs = [_synthetic_run(p, truth, noise=0.0, seed=i, index=i) for i, p in enumerate(PLANS)]
+    result = calibrate(runs, base, fit=["train_compute", "infer_compute"], skip=0)
+    assert result.at_bounds == {"train_compute": "lower"}
+    assert result.profile.provenance.parameters_at_bounds == ("train_compute=lower",)
+    assert "at a bound: train_compute (lower)" in result.profile.provenance.notes
+
+
+def test_fit_is_refused_when_held_out_runs_get_worse() -> None:
+    base = load_profile("cpu-2core")
+    # Held-out runs are exactly what the base profile predicts; the fitted runs come from a
+    # machine whose training is 3x slower, so the fit can only make the held-out runs worse.
+    held = [_synthetic_run(p, base, noise=0.0, seed=i, index=10 + i)
+            for i, p in enumerate(PLANS)]
+    slower = PARAMETERS["train_compute"].set(base, 3.0)
+    fitted_on = [_synthetic_run(p, slower, noise=0.0, seed=i, index=i)
+                 for i, p in enumerate(PLANS)]
+    with pytest.raises(SpecError, match=r"--held-out: refusing to write the fit: .* worse than "
+                                        r"0\.0% of cpu-2core unfitted"):
+        calibrate(fitted_on, base, fit=["train_compute"], skip=0, held_out=held)
+    # Held-out runs from the same machine as the fitted ones: accepted, error recorded.
+    held_slow = [_synthetic_run(p, slower, noise=0.01, seed=i, index=10 + i)
+                 for i, p in enumerate(PLANS)]
+    result = calibrate(fitted_on, base, fit=["train_compute"], skip=0, held_out=held_slow)
+    record = result.profile.provenance.accuracy
+    assert record["median_abs_error_pct"] < record["unfitted_median_abs_error_pct"]
+    assert record["held_out_plans"] == len(PLANS)
+    assert "bias_pct" in record
+
+
+def test_accuracy_takes_the_median_over_repeats_of_one_plan() -> None:
+    base = load_profile("cpu-2core")
+    repeats = [_synthetic_run(PLANS[0], PARAMETERS["train_compute"].set(base, factor),
+                              noise=0.0, seed=0, index=i)
+               for i, factor in enumerate((1.0, 1.0, 5.0))]  # one slow outlier run
+    result = accuracy(repeats, base, skip=0)
+    assert result["plans"] == 1 and result["runs"] == 3
+    (plan,) = result["per_run"]
+    assert plan["repeats"] == 3
+    assert abs(plan["error_pct"]) < 1e-6  # the outlier does not move the median
+    assert plan["repeat_spread_pct"] > 50
+
+
+def test_stale_calibrations_are_reported() -> None:
+    from planner.provenance import code_fingerprint, stale_calibration
+    from profiles.device import Provenance
+
+    base = load_profile("cpu-2core")
+    assert stale_calibration(base) is None  # measured, not fitted on runs
+    assert stale_calibration(load_profile("a100-80gb")) is None
+    current = code_fingerprint()
+    assert current is not None and len(current) == 16
+
+    def fitted(fingerprint: str | None) -> object:
+        return replace(base, provenance=Provenance(
+            fitted_on=("runs/x",), fitted_at="2026-01-01T00:00:00+00:00", commit="abc123",
+            code_fingerprint=fingerprint))
+
+    assert stale_calibration(fitted(current)) is None
+    warning = stale_calibration(fitted("0" * 16))
+    assert "commit abc123" in warning and "has changed since" in warning
+    assert "without a record of the code" in stale_calibration(fitted(None))
+

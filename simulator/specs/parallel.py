@@ -9,7 +9,7 @@ ZeRO-3). Generation uses ``tp_g``/``pp_g`` and the 3D-HybridEngine's micro-DP gr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from profiles.datafile import SpecError, require
@@ -43,6 +43,11 @@ class ParallelConfig:
     """Overlap the gradient reduction with the backward pass of the last micro-batch."""
     overlap_param_gather: bool = True
     """FSDP: prefetch the next layer's parameters while computing this one."""
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        # Precomputed: configs are cache keys of the cost models, hashed on every call.
+        return self._hash
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
@@ -51,6 +56,10 @@ class ParallelConfig:
         require(self.vpp == 1 or self.pp > 1, "virtual pipeline stages need pp > 1", "vpp")
         require(self.sharding != "fsdp" or self.pp == 1,
                 "FSDP is not combined with pipeline parallelism here; use pp: 1", "pp")
+        object.__setattr__(self, "_hash", hash((
+            self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
+            self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
+            self.overlap_param_gather)))
 
     @property
     def world_size(self) -> int:
