@@ -33,8 +33,9 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_planner.py
 	$(BIN)/python benchmarks/bench_executor.py
 
-# Executor runs of a grid of plans, calibration on some, prediction error on the others; the
-# last line is the JSON of `hybridflow accuracy` for the held-out runs.
+# Executor runs of a grid of plans (3 repeats each), calibration on some, prediction error on
+# the others; writes runs/accuracy/ only (the shipped profile changes with
+# `benchmarks/accuracy.py --reuse --install`). The last line is the held-out accuracy JSON.
 accuracy: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/accuracy.py --out runs/accuracy
 

@@ -291,8 +291,9 @@ def _rms_relative(runs: Sequence[Run], profile: DeviceProfile, skip: int) -> flo
          / (r["measured_seconds"] + FLOOR_SECONDS)) ** 2 for r in rows])))
 
 
-BOUND_TOLERANCE = 1e-3
-"""A fitted value within this relative distance of a bound counts as at the bound."""
+BOUND_TOLERANCE = 0.01
+"""A fitted value within this fraction of its allowed range (in log space) from a bound counts
+as at the bound (e.g. an overhead within a factor 1.2 of its 1e-8 s floor)."""
 
 
 def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | None = None,
@@ -345,10 +346,11 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
     after = _rms_relative(runs, fitted, skip)
     values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
     at_bounds = {}
-    for param, value in zip(params, np.exp(solution.x), strict=True):
-        if value <= param.lower * (1 + BOUND_TOLERANCE):
+    for param, x, low, high in zip(params, solution.x, lower, upper, strict=True):
+        margin = BOUND_TOLERANCE * (high - low)
+        if x <= low + margin:
             at_bounds[param.name] = "lower"
-        elif value >= param.upper * (1 - BOUND_TOLERANCE):
+        elif x >= high - margin:
             at_bounds[param.name] = "upper"
     if "call_seconds" not in values:
         values["call_seconds (measured)"] = fitted.overheads.call_seconds
