@@ -309,6 +309,7 @@ def measure_profile(settings: ProfileSettings,
         "reserved_memory_bytes": float(min(per_worker * 0.5, 512 * 2**20)),
         "memory_bandwidth_bytes_per_s": float(bandwidth),
         "intra_node": {"bandwidth_bytes_per_s": float(link), "latency_seconds": float(latency)},
+        "nics_per_node": 1,  # one machine: only loopback between its processes
         "inter_node": {"bandwidth_bytes_per_s": float(link), "latency_seconds": float(latency)},
         "efficiency": {
             "matmul": _curve(compute["matmul"]["fp32"], peak),

@@ -374,6 +374,10 @@ def simulation_json(job: Any, plan: Any, result: Any, estimate: Any) -> dict[str
               show_default=True,
               help="des: event simulation; paper: HybridFlow's stage-by-stage d_cost.")
 @click.option("--iterations", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--overlap-iterations", is_flag=True,
+              help="Let an iteration start before the previous one ends where the dataflow "
+                   "allows (asynchronous); default: synchronous iterations, as RLHF trainers "
+                   "run them.")
 @click.option("--transition", type=click.Choice(["micro_dp", "train_group", "all_gpus"]),
               default="micro_dp", show_default=True,
               help="Actor train->generate resharding scheme.")
@@ -383,7 +387,8 @@ def simulation_json(job: Any, plan: Any, result: Any, estimate: Any) -> dict[str
               help="Also write plan.json, simulation.json and trace.json here.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def simulate(config: str | None, plan_path: str | None, cost_model: str, iterations: int,
-             transition: str, trace: str | None, out: str | None, as_json: bool) -> None:
+             overlap_iterations: bool, transition: str, trace: str | None, out: str | None,
+             as_json: bool) -> None:
     """Simulate RLHF iterations of a job under a plan."""
     from simulator.default_plan import colocate_plan
     from simulator.engine import simulate_des, simulate_paper
@@ -403,7 +408,8 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
     if cost_model == "paper":
         result = simulate_paper(job, plan, estimate)
     else:
-        result = simulate_des(job, plan, estimate, iterations=iterations)
+        result = simulate_des(job, plan, estimate, iterations=iterations,
+                              overlap_iterations=overlap_iterations)
     summary = simulation_json(job, plan, result, estimate)
     if trace:
         write_chrome_trace(trace, result.timeline, metadata={"placement": plan.placement})

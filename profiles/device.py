@@ -216,7 +216,11 @@ class DeviceProfile:
     intra_node: Link
     """Link between devices of one node (e.g. NVLink)."""
     inter_node: Link
-    """Link between nodes, per device (e.g. one InfiniBand NIC per GPU)."""
+    """One network interface between nodes (e.g. one 200 Gb/s InfiniBand NIC); the node has
+    ``nics_per_node`` of them."""
+    nics_per_node: int | None = None
+    """NICs per node for inter-node traffic, shared by the node's GPUs (None: one per GPU).
+    A cluster's ``network:`` overrides it and the NIC bandwidth."""
     efficiency: EfficiencyCurves
     overheads: Overheads = field(default_factory=Overheads)
     corrections: dict[str, float] = field(default_factory=dict)
@@ -234,6 +238,8 @@ class DeviceProfile:
                 "must be >= 0 and less than memory_bytes", "reserved_memory_bytes")
         require(self.memory_bandwidth_bytes_per_s > 0, "must be > 0",
                 "memory_bandwidth_bytes_per_s")
+        require(self.nics_per_node is None or self.nics_per_node >= 1,
+                "must be a positive integer", "nics_per_node")
         for key, value in self.corrections.items():
             require(key in CORRECTION_KEYS,
                     f"unknown correction (allowed: {', '.join(CORRECTION_KEYS)})",

@@ -83,8 +83,14 @@ def _gpus(plan: Plan, location: int) -> int:
 
 
 def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
-                 iterations: int = 1) -> SimulationResult:
-    """Discrete-event simulation of ``iterations`` synchronous RLHF iterations."""
+                 iterations: int = 1, overlap_iterations: bool = False) -> SimulationResult:
+    """Discrete-event simulation of ``iterations`` RLHF iterations.
+
+    Synchronous by default, as verl, OpenRLHF and NeMo-RL run them: an iteration starts when
+    the previous one has ended (the controller collects every update before the next
+    generation). ``overlap_iterations`` lifts that barrier: a node waits only for its inputs,
+    its location and the weights it needs (a critic update on other GPUs may then run beside
+    the next generation, an asynchronous mode)."""
     if not estimate.feasible:
         return _result("des", job, plan, estimate, [], iterations)
     dataflow: Dataflow = job.dataflow
@@ -124,6 +130,8 @@ def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
         if iteration > 0 and name == first_generate:
             waits += [done[iteration - 1][n.name] for n in dataflow.nodes
                       if n.role == "actor" and n.operation == "train"]
+        if iteration > 0 and not overlap_iterations:
+            waits += [done[iteration - 1][n.name] for n in dataflow.nodes]
         if waits:
             yield simpy.AllOf(env, waits)
         # Inputs from other locations arrive a transfer after their producer ended.
@@ -228,7 +236,8 @@ def _result(mode: Mode, job: JobSpec, plan: Plan, estimate: PlanEstimate,
 
 
 def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 1,
-             transition_scheme: str = "micro_dp") -> SimulationResult:
+             transition_scheme: str = "micro_dp",
+             overlap_iterations: bool = False) -> SimulationResult:
     """Validate ``plan`` against ``job``, predict every node, and simulate."""
     from simulator.predict import estimate_plan
 
@@ -236,4 +245,5 @@ def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 
     estimate = estimate_plan(job, plan, transition_scheme=transition_scheme)  # type: ignore[arg-type]
     if mode == "paper":
         return simulate_paper(job, plan, estimate)
-    return simulate_des(job, plan, estimate, iterations=iterations)
+    return simulate_des(job, plan, estimate, iterations=iterations,
+                        overlap_iterations=overlap_iterations)

@@ -209,3 +209,65 @@ def test_collectives_scale_with_group_and_size() -> None:
     assert all_reduce_seconds(A100, 1e9, 8) == pytest.approx(2 * all_gather_seconds(A100, 1e9, 8))
     assert all_gather_seconds(A100, 1e9, 16, crosses_nodes=True) > all_gather_seconds(A100, 1e9,
                                                                                       8)
+
+
+# --- network topology: collectives priced by where their ranks sit ---------------------------
+
+def test_collectives_share_the_nodes_nics_worked_example() -> None:
+    """README's worked example: a 13B model, Megatron tp 8 x dp 4 on 4 nodes of 8 A100s.
+    Each data-parallel group has one rank per node (ranks 8 apart) and all eight groups of a
+    node reduce at once. Reduce-scatter of 6.5 GB of fp32 gradients per rank over 4 nodes: each
+    rank sends 3/4 of it; a DGX gives every rank its own 200 Gb/s NIC (25 GB/s x 0.86, the
+    nccl-tests fraction), one NIC per node is shared by 8 ranks (3.125 GB/s x 0.86)."""
+    from simulator.costs.primitives import group_span, reduce_scatter_seconds
+    from simulator.specs.cluster import ClusterSpec
+
+    grads = 6.5e9
+    span = group_span(4, 8, 8, busy_ranks_per_node=32)
+    assert (span.ranks_per_node, span.nodes, span.busy_ranks_per_node) == (1, 4, 8)
+    dgx = reduce_scatter_seconds(A100, grads, 4, span=span)
+    wire = 3 / 4 * grads
+    assert dgx == pytest.approx(wire / (25e9 * 0.86) + 3 * 20e-6, rel=1e-9)
+    one_nic = ClusterSpec.from_value({"nodes": 4, "network": {"nics_per_node": 1,
+                                                              "nic_bandwidth_gbps": 200}})
+    shared = reduce_scatter_seconds(one_nic.profile(), grads, 4, span=span)
+    assert shared == pytest.approx(wire / (25e9 / 8 * 0.86) + 3 * 20e-6, rel=1e-9)
+    # tp 1: the data-parallel group has 8 ranks per node; the hierarchical algorithm
+    # reduces inside the node first and sends 1/8 of the bytes between nodes.
+    flat = group_span(32, 1, 8, busy_ranks_per_node=32)
+    assert (flat.ranks_per_node, flat.nodes) == (8, 4)
+    assert reduce_scatter_seconds(one_nic.profile(), grads, 32, span=flat) < shared / 4
+
+
+def test_training_data_parallel_time_follows_the_network() -> None:
+    model = MODEL_PRESETS["llama2-13b"]
+    from simulator.specs.cluster import ClusterSpec
+
+    par = ParallelConfig(tp=8, dp=4, sharding="optimizer", overlap_grad_reduce=False)
+    dgx = train_step(model, A100, par, global_batch=64, seq_len=2048)
+    one_nic = ClusterSpec.from_value({"nodes": 4, "network": {"nics_per_node": 1,
+                                                              "nic_bandwidth_gbps": 200}})
+    shared = train_step(model, one_nic.profile(), par, global_batch=64, seq_len=2048)
+    assert shared.breakdown["dp_comm"] == pytest.approx(8 * dgx.breakdown["dp_comm"], rel=0.01)
+    assert shared.breakdown["compute"] == dgx.breakdown["compute"]
+
+
+def test_micro_dp_groups_reach_other_pipeline_stages() -> None:
+    """Training pp 2 x tp 4 x dp 2 on two nodes (a stage per node), generation tp 4, pp 1: a
+    micro-DP group joins the same tensor-parallel rank of both stages, 8 ranks apart, so its
+    all-gather crosses nodes (it was priced as two neighbours on one node)."""
+    from simulator.costs.transition import micro_dp_span
+
+    train = ParallelConfig(tp=4, pp=2, dp=2)
+    across = micro_dp_span(train, GenerationConfig(tp=4, pp=1), 8)
+    assert across.crosses_nodes and across.ranks_per_node == 1 and across.nodes == 2
+    within = micro_dp_span(train, GenerationConfig(tp=2, pp=2), 8)
+    assert not within.crosses_nodes and within.ranks_per_node == 2
+    model = MODEL_PRESETS["llama2-13b"]
+    crossing = transition(model, A100, train, GenerationConfig(tp=4, pp=1))
+    local = transition(model, A100, ParallelConfig(tp=8, pp=1, dp=2),
+                       GenerationConfig(tp=4, pp=1))
+    # Same group size (2) and the same bytes per GPU, but one crosses nodes.
+    assert crossing.group_size == local.group_size == 2
+    assert crossing.bytes_received_per_gpu == pytest.approx(local.bytes_received_per_gpu)
+    assert crossing.seconds > 2 * local.seconds

@@ -21,7 +21,7 @@ from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.trace import chrome_trace, write_chrome_trace
 
 
-def split_plan(job: JobSpec) -> Plan:
+def split_plan(job: JobSpec, critic: ParallelConfig | None = None) -> Plan:
     """actor,ref on the first node | critic,reward on the second (the paper's split)."""
     train = ParallelConfig(tp=4, dp=2, sharding="optimizer")
     frozen = ParallelConfig(tp=4, dp=2)
@@ -30,8 +30,13 @@ def split_plan(job: JobSpec) -> Plan:
                       ColocatedSet(roles=("critic", "reward"), gpus=8, first_gpu=8)),
                 roles={"actor": RolePlan(parallel=train, generation=GenerationConfig(tp=2)),
                        "ref": RolePlan(parallel=frozen),
-                       "critic": RolePlan(parallel=train),
+                       "critic": RolePlan(parallel=critic or train),
                        "reward": RolePlan(parallel=frozen)})
+
+
+SLOW_CRITIC = ParallelConfig(tp=8, dp=1, recompute="full")
+"""A critic layout whose update ends after the actor's (so the next generation could start
+before it if iterations overlapped)."""
 
 
 def test_colocated_set_runs_its_nodes_one_after_another(paper_job: JobSpec) -> None:
@@ -71,17 +76,32 @@ def test_paper_cost_is_sum_within_set_max_across_sets(paper_job: JobSpec) -> Non
     assert des.iteration_seconds > paper.iteration_seconds
 
 
-def test_several_iterations_overlap_across_sets(paper_job: JobSpec) -> None:
-    plan = split_plan(paper_job)
+def test_synchronous_iterations_wait_for_the_previous_one(paper_job: JobSpec) -> None:
+    """verl, OpenRLHF and NeMo-RL run iterations one after another: with the critic on its
+    own GPUs its update must still end before the next generation starts."""
+    plan = split_plan(paper_job, critic=SLOW_CRITIC)
     one = simulate(paper_job, plan, iterations=1)
     three = simulate(paper_job, plan, iterations=3)
     assert three.iterations == 3
+    assert three.iteration_seconds == pytest.approx(one.iteration_seconds)
+    events = [e for e in three.timeline if e.kind == "compute"]
+    for iteration in (1, 2):
+        start = min(e.start for e in events if e.iteration == iteration)
+        assert start >= max(e.end for e in events if e.iteration == iteration - 1)
+
+
+def test_overlapping_iterations_are_an_explicit_option(paper_job: JobSpec) -> None:
+    plan = split_plan(paper_job, critic=SLOW_CRITIC)
+    one = simulate(paper_job, plan, iterations=1)
+    three = simulate(paper_job, plan, iterations=3, overlap_iterations=True)
     # Iteration 2's generation waits for iteration 1's actor update, never for the critic's.
     events = [e for e in three.timeline if e.kind == "compute"]
     gen2 = next(e for e in events if e.node == "actor.generate" and e.iteration == 1)
     train1 = next(e for e in events if e.node == "actor.train" and e.iteration == 0)
+    critic1 = next(e for e in events if e.node == "critic.train" and e.iteration == 0)
     assert gen2.start >= train1.end
-    assert three.iteration_seconds <= one.iteration_seconds + 1e-9
+    assert gen2.start < critic1.end  # the critic's update runs beside the next generation
+    assert three.iteration_seconds < one.iteration_seconds
 
 
 def test_simultaneous_requests_are_ordered_by_dataflow_position(

@@ -10,6 +10,7 @@ from functools import lru_cache
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
+from simulator.costs.training import data_parallel_span
 from simulator.costs.transformer import (
     AttentionImpl,
     embedding_seconds,
@@ -54,7 +55,7 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     stage = model.layers / par.pp * (forward + layer.tp_forward_seconds)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
-                                    par.dp, group_crosses_nodes(par.dp, par.tp, gpus_per_node))
+                                    par.dp, span=data_parallel_span(par, gpus_per_node))
         per_layer_compute = forward + layer.tp_forward_seconds
         overlap = profile.kind == "gpu"  # on a CPU the gathers compete for the same cores
         stage += (model.layers * max(0.0, gather - per_layer_compute) + gather if overlap
@@ -70,7 +71,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
         seconds = micro_batches * slowest + (par.pp - 1) * stage + min(first, last)
         message = tokens * model.hidden * DTYPE_BYTES[dtype] / par.tp
         seconds += (micro_batches + par.pp - 1) * p2p_seconds(
-            profile, message, par.world_size > gpus_per_node)
+            profile, message, par.world_size > gpus_per_node,
+            busy_ranks_per_node=par.tp * par.dp, gpus_per_node=gpus_per_node)
     vocab_local = model.head_output_size(value_head=value_head) / (1 if value_head else par.tp)
     # One layer's intermediate tensors are live at a time, plus fp32 logits and log-softmax.
     activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local

@@ -12,9 +12,11 @@ from functools import lru_cache
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import (
+    Span,
     all_gather_seconds,
     all_reduce_seconds,
     group_crosses_nodes,
+    group_span,
     memory_seconds,
     p2p_seconds,
     reduce_scatter_seconds,
@@ -77,6 +79,14 @@ def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
                            optimizer=local * ADAM_STATE_BYTES / optimizer_shards)
 
 
+def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
+    """Where a data-parallel group sits: ranks ``tp`` apart (Megatron's order puts tensor
+    parallelism innermost), and every rank of the node reduces at the same moment (each
+    model-parallel rank has its own data-parallel group)."""
+    return group_span(par.dp, par.tp, gpus_per_node,
+                      busy_ranks_per_node=par.tp * par.dp * par.pp)
+
+
 def model_flops_per_sequence(model: ModelSpec, seq_len: float, *, value_head: bool) -> float:
     """Forward + backward model FLOPs of one sequence (3x forward; no recompute)."""
     per_token = model.matmul_flops_per_token(value_head=value_head)
@@ -124,11 +134,11 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
 
     fsdp_exposed = 0.0
     if par.sharding == "fsdp" and par.dp > 1:
-        dp_cross = group_crosses_nodes(par.dp, par.tp, gpus_per_node)
+        dp_span = data_parallel_span(par, gpus_per_node)
         layer_weights = model.params_per_layer / par.tp * b
-        gather = all_gather_seconds(profile, layer_weights, par.dp, dp_cross)
+        gather = all_gather_seconds(profile, layer_weights, par.dp, span=dp_span)
         scatter = reduce_scatter_seconds(profile, model.params_per_layer / par.tp
-                                         * MAIN_GRAD_BYTES, par.dp, dp_cross)
+                                         * MAIN_GRAD_BYTES, par.dp, span=dp_span)
         fwd_comm = gather
         bwd_comm = gather + scatter
         fwd_compute = forward + layer.tp_forward_seconds
@@ -162,22 +172,24 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     if par.pp > 1:
         world_cross = par.world_size > gpus_per_node
         sp_div = par.tp if par.sequence_parallel and par.tp > 1 else 1
-        # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank.
+        # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank; every
+        # rank of a stage sends at once, sharing its node's NICs.
         message = tokens * model.hidden * b / max(sp_div, par.tp)
-        one = p2p_seconds(profile, message, world_cross)
+        one = p2p_seconds(profile, message, world_cross, busy_ranks_per_node=par.tp * par.dp,
+                          gpus_per_node=gpus_per_node)
         p2p_total = 2 * one * (micro_batches + par.pp - 1) * par.vpp
 
     # Gradient reduction over data-parallel replicas (FSDP already reduce-scattered).
     local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head)
     dp_comm = 0.0
     if par.dp > 1 and par.sharding != "fsdp":
-        dp_cross = group_crosses_nodes(par.dp, par.tp, gpus_per_node)
+        dp_span = data_parallel_span(par, gpus_per_node)
         grad_bytes = local_params * MAIN_GRAD_BYTES
         if par.sharding == "optimizer":
-            dp_comm = (reduce_scatter_seconds(profile, grad_bytes, par.dp, dp_cross)
-                       + all_gather_seconds(profile, local_params * b, par.dp, dp_cross))
+            dp_comm = (reduce_scatter_seconds(profile, grad_bytes, par.dp, span=dp_span)
+                       + all_gather_seconds(profile, local_params * b, par.dp, span=dp_span))
         else:
-            dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, dp_cross)
+            dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, span=dp_span)
         if par.overlap_grad_reduce and profile.kind == "gpu":
             window = layers_per_stage * (backward + recompute_extra)
             dp_comm = max(0.0, dp_comm - window)

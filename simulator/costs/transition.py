@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
-from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes
+from simulator.costs.primitives import Span, all_gather_seconds, group_span
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -68,6 +68,30 @@ def transition_volume_bytes(scheme: Scheme, model_bytes: float, *, train_shards:
     return (train_shards - gen_shards) / (gen_shards * train_shards) * model_bytes
 
 
+def micro_dp_span(train: ParallelConfig, gen: GenerationConfig, gpus_per_node: int) -> Span:
+    """Where a micro-DP group of the 3D-HybridEngine sits (HybridFlow §5.3), with Megatron's
+    rank order (tensor parallelism innermost, then data, then pipeline stages outermost).
+
+    The group gathers t/t_g consecutive tensor-parallel ranks of each of p/p_g pipeline stages;
+    those stages are t*d ranks apart, so when generation merges pipeline stages (p_g < p) the
+    group reaches into other stages, usually on other nodes. Every rank gathers at the same
+    moment, sharing its node's NICs. FSDP (no pipeline) shards over consecutive ranks."""
+    if train.sharding == "fsdp":
+        group = max(1, train.world_size // gen.model_parallel_size)
+        return group_span(group, 1, gpus_per_node, busy_ranks_per_node=train.world_size)
+    tp_part = max(1, train.tp // gen.tp)
+    pp_part = max(1, train.pp // gen.pp)
+    stage = train.tp * train.dp
+    if pp_part == 1:
+        return group_span(tp_part, 1, gpus_per_node, busy_ranks_per_node=train.world_size)
+    stages_per_node = max(1, gpus_per_node // stage)
+    per_node = min(tp_part, gpus_per_node) * min(pp_part, stages_per_node)
+    nodes = -(-pp_part // stages_per_node) * max(1, -(-tp_part // gpus_per_node))
+    busy = max(per_node, min(train.world_size, gpus_per_node))
+    return Span(ranks_per_node=per_node, nodes=nodes, busy_ranks_per_node=busy,
+                gpus_per_node=gpus_per_node)
+
+
 def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
                gen: GenerationConfig, *, scheme: Scheme = "micro_dp", dtype: str = "bf16",
                gpus_per_node: int = 8) -> TransitionCost:
@@ -79,16 +103,18 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
     volume = transition_volume_bytes(scheme, weights, train_shards=train_shards,
                                      gen_shards=gen_shards, world=world)
     if scheme == "all_gpus":
-        group, stride = world, 1
+        group = world
+        span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=world)
         peak = weights
         redundant = weights / world
     elif scheme == "train_group":
-        group, stride = train_shards, 1
+        group = train_shards
+        span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=world)
         peak = weights
         redundant = weights / train_shards
     else:
         group = max(1, train_shards // gen_shards)
-        stride = 1  # micro-DP groups take consecutive ranks (HybridFlow §5.3)
+        span = micro_dp_span(train, gen, gpus_per_node)
         peak = weights / gen_shards
         redundant = 0.0
     if volume <= 0 or group <= 1:
@@ -96,11 +122,10 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
     else:
         # One all-gather per weight tensor (engines gather tensor by tensor), each moving its
         # share of the volume: gathering V over a group of n outputs V / ((n-1)/n) bytes.
-        crosses = group_crosses_nodes(group, stride, gpus_per_node)
         fraction = volume / weights
         seconds = sum(count * all_gather_seconds(
             profile, elements * DTYPE_BYTES[dtype] * fraction * group / (group - 1), group,
-            crosses) for elements, count in weight_tensors(model).items())
+            span=span) for elements, count in weight_tensors(model).items())
     return TransitionCost(scheme=scheme, seconds=seconds, bytes_received_per_gpu=volume,
                           peak_param_bytes_per_gpu=peak, redundant_bytes_per_gpu=redundant,
                           group_size=group)

@@ -10,6 +10,27 @@ from profiles.device import DeviceProfile, Link, load_profile
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class Network:
+    """How a node reaches the other nodes: its NICs for inter-node traffic, shared by the
+    node's GPUs. Collectives are priced from it by where their ranks sit
+    (``simulator/costs/primitives.py``)."""
+
+    nics_per_node: int
+    """Network interfaces per node used for GPU traffic (e.g. 8 on a DGX, 1 on many clusters)."""
+    nic_bandwidth_gbps: float
+    """Bandwidth of one NIC per direction, in Gbit/s (e.g. 200 for HDR InfiniBand)."""
+
+    def __post_init__(self) -> None:
+        require(self.nics_per_node >= 1, f"must be a positive integer, got {self.nics_per_node}",
+                "nics_per_node")
+        require(self.nic_bandwidth_gbps > 0, "must be > 0", "nic_bandwidth_gbps")
+
+    @property
+    def nic_bandwidth_bytes_per_s(self) -> float:
+        return self.nic_bandwidth_gbps * 1e9 / 8
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class NodeGroup:
     """Identical nodes: ``nodes`` x ``gpus_per_node`` devices of one profile."""
 
@@ -19,8 +40,10 @@ class NodeGroup:
     """Devices per node (a tensor-parallel group never spans nodes)."""
     device: str = "a100-80gb"
     """Device profile name (``profiles/devices/NAME.yaml``) or path to a profile YAML."""
+    network: Network | None = None
+    """The nodes' NICs (default: the device profile's, e.g. a DGX's eight)."""
     inter_node_bandwidth_gbps: float | None = None
-    """Override of the profile's inter-node bandwidth per GPU, in Gbit/s (e.g. 200 for HDR IB)."""
+    """Shorthand for one NIC per GPU of this many Gbit/s (``network`` says more; give one)."""
 
     def __post_init__(self) -> None:
         require(self.nodes > 0, f"must be a positive integer, got {self.nodes}", "nodes")
@@ -29,32 +52,46 @@ class NodeGroup:
         if self.inter_node_bandwidth_gbps is not None:
             require(self.inter_node_bandwidth_gbps > 0, "must be > 0",
                     "inter_node_bandwidth_gbps")
+            require(self.network is None, "give network or inter_node_bandwidth_gbps, not both",
+                    "inter_node_bandwidth_gbps")
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def effective_network(self) -> Network | None:
+        """The network the job gives (``network``, or the per-GPU shorthand), or None to keep
+        the device profile's."""
+        if self.network is not None:
+            return self.network
+        if self.inter_node_bandwidth_gbps is not None:
+            return Network(nics_per_node=self.gpus_per_node,
+                           nic_bandwidth_gbps=self.inter_node_bandwidth_gbps)
+        return None
+
     def profile(self) -> DeviceProfile:
-        """The device profile, with the inter-node bandwidth override applied."""
+        """The device profile, with the cluster's network applied."""
         try:
             base = load_profile(self.device)
         except SpecError as exc:
             raise exc.within("device") if exc.key != "device" else exc from None
-        if self.inter_node_bandwidth_gbps is None:
+        network = self.effective_network()
+        if network is None:
             return base
-        return _with_inter_node_bandwidth(base, self.inter_node_bandwidth_gbps)
+        return _with_network(base, network)
 
 
-_OVERRIDDEN: dict[tuple[int, float], DeviceProfile] = {}
+_OVERRIDDEN: dict[tuple[int, Network], DeviceProfile] = {}
 
 
-def _with_inter_node_bandwidth(base: DeviceProfile, gbps: float) -> DeviceProfile:
-    # One object per (profile, override) so that cost-model caches keyed on identity still hit.
-    key = (id(base), gbps)
+def _with_network(base: DeviceProfile, network: Network) -> DeviceProfile:
+    # The cluster's wiring is applied to a copy of the device profile, one object per
+    # (profile, network), so that cost-model caches keyed on the profile still hit.
+    key = (id(base), network)
     if key not in _OVERRIDDEN:
-        link = Link(bandwidth_bytes_per_s=gbps * 1e9 / 8,
+        link = Link(bandwidth_bytes_per_s=network.nic_bandwidth_bytes_per_s,
                     latency_seconds=base.inter_node.latency_seconds)
-        _OVERRIDDEN[key] = replace(base, inter_node=link)
+        _OVERRIDDEN[key] = replace(base, inter_node=link, nics_per_node=network.nics_per_node)
     return _OVERRIDDEN[key]
 
 
@@ -62,7 +99,7 @@ def _with_inter_node_bandwidth(base: DeviceProfile, gbps: float) -> DeviceProfil
 class ClusterSpec:
     """The cluster: one or more node groups.
 
-    In YAML either the short form ``{nodes, gpus_per_node, device, inter_node_bandwidth_gbps}``
+    In YAML either the short form ``{nodes, gpus_per_node, device, network}``
     for one group, or ``{node_groups: [...]}``. The simulator and planner currently handle
     homogeneous clusters (one group); files with several groups load and are rejected there.
     """
@@ -120,6 +157,9 @@ class ClusterSpec:
         def group_dict(g: NodeGroup) -> dict[str, Any]:
             out: dict[str, Any] = {"nodes": g.nodes, "gpus_per_node": g.gpus_per_node,
                                    "device": g.device}
+            if g.network is not None:
+                out["network"] = {"nics_per_node": g.network.nics_per_node,
+                                  "nic_bandwidth_gbps": g.network.nic_bandwidth_gbps}
             if g.inter_node_bandwidth_gbps is not None:
                 out["inter_node_bandwidth_gbps"] = g.inter_node_bandwidth_gbps
             return out
