@@ -30,6 +30,9 @@ from simulator.predict import estimate_plan
 from simulator.specs.job import JobSpec, job_from_mapping
 from simulator.specs.lengths import LengthDistribution
 
+EXECUTOR_FRAMEWORK = "hybridflow"
+"""The framework profile of ``hybridflow execute`` (profiles/frameworks/hybridflow.yaml)."""
+
 MEASUREMENT_FIELDS: dict[str, Callable[[str], Any]] = {
     "iteration": int, "node": str, "role": str, "operation": str, "location": int,
     "set": str, "gpus": int, "wall_seconds": float, "compute_seconds": float,
@@ -154,8 +157,10 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
     device = profile if isinstance(profile, str) else register_profile(profile)
     cluster = run.job.cluster
     group = replace(cluster.only_group(), device=device)
-    job = replace(run.job, workload=workload, cluster=replace(cluster, node_groups=(group,)))
-    return job
+    # The runs come from this project's executor: its behaviour, whatever framework the job
+    # was planned for.
+    return replace(run.job, workload=workload, cluster=replace(cluster, node_groups=(group,)),
+                   framework=EXECUTOR_FRAMEWORK)
 
 
 def _empirical(counts: dict[int, int]) -> LengthDistribution:

@@ -379,8 +379,8 @@ def simulation_json(job: Any, plan: Any, result: Any, estimate: Any) -> dict[str
                    "allows (asynchronous); default: synchronous iterations, as RLHF trainers "
                    "run them.")
 @click.option("--transition", type=click.Choice(["micro_dp", "train_group", "all_gpus"]),
-              default="micro_dp", show_default=True,
-              help="Actor train->generate resharding scheme.")
+              default=None,
+              help="Actor train->generate resharding scheme (default: the job framework's).")
 @click.option("--trace", type=click.Path(dir_okay=False), default=None,
               help="Write a Chrome trace (chrome://tracing, Perfetto).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,

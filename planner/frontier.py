@@ -30,7 +30,16 @@ from simulator.costs.generation import (
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.transition import transition
 from simulator.plan import RolePlan
-from simulator.predict import generation_lengths, model_node, node_sequences, role_state
+from simulator.predict import (
+    engine_cycle_seconds,
+    extra_generation_weights,
+    generation_lengths,
+    model_node,
+    node_sequences,
+    offload_state,
+    role_state,
+    transition_scheme_of,
+)
 from simulator.specs.dataflow import Node
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig
@@ -83,6 +92,10 @@ class RoleCandidate:
     """Largest per-GPU transient need of the model's non-generating operations."""
     extra_generation_bytes: float = 0.0
     """Actor only: generation weights beyond its resident training shard."""
+    offload_bytes: float = 0.0
+    """Per-GPU state the framework moves to host memory while the set generates."""
+    offload_seconds: float = 0.0
+    """Seconds of moving that state out and back, charged to the set's first generation."""
 
 
 def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
@@ -108,14 +121,18 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
         switch = extra = 0.0
         if plan.generation is not None:
             switch = transition(model, profile, plan.parallel, plan.generation, dtype=dtype,
-                                gpus_per_node=gpn).seconds
-            extra = max(0.0, generation_weight_bytes(model, plan.generation, dtype)
-                        - resident.params)
+                                gpus_per_node=gpn,
+                                scheme=transition_scheme_of(job, plan)).seconds
+            extra = extra_generation_weights(
+                job, generation_weight_bytes(model, plan.generation, dtype), resident.params)
         if resident.total + max(transient, extra) > usable_bytes:
             continue
+        offloaded, offload_seconds = offload_state(job, role, plan.parallel)
         out.append(RoleCandidate(role=role, plan=plan, node_seconds=tuple(seconds),
                                  transition_seconds=switch, resident=resident,
-                                 transient_bytes=transient, extra_generation_bytes=extra))
+                                 transient_bytes=transient, extra_generation_bytes=extra,
+                                 offload_bytes=offloaded.total,
+                                 offload_seconds=offload_seconds))
     return out
 
 
@@ -177,20 +194,24 @@ class _Combos:
     resident: np.ndarray  # (m,) bytes
     transient: np.ndarray  # (m,) bytes
     picks: np.ndarray  # (m, roles so far) candidate indices
+    offload: np.ndarray  # (m,) bytes moved to host while the set generates
 
     def take(self, mask: np.ndarray) -> _Combos:
         return _Combos(self.contributions[mask], self.resident[mask], self.transient[mask],
-                       self.picks[mask])
+                       self.picks[mask], self.offload[mask])
 
 
 def _contribution_matrix(candidates: Sequence[RoleCandidate], group_of: dict[str, int],
-                         groups: int, transition_group: int | None) -> np.ndarray:
+                         groups: int, transition_group: int | None,
+                         offload_group: int | None) -> np.ndarray:
     matrix = np.zeros((len(candidates), groups))
     for i, c in enumerate(candidates):
         for name, seconds in c.node_seconds:
             matrix[i, group_of[name]] += seconds
         if transition_group is not None:
             matrix[i, transition_group] += c.transition_seconds
+        if offload_group is not None:
+            matrix[i, offload_group] += c.offload_seconds
     return matrix
 
 
@@ -205,9 +226,12 @@ def _ranks(keys: list) -> np.ndarray:
 
 def _fold(combos: _Combos, candidates: Sequence[RoleCandidate], contributions: np.ndarray,
           usable_bytes: float, prune: bool,
-          label_of: Callable[[np.ndarray], tuple[str, ...]]) -> _Combos:
+          label_of: Callable[[np.ndarray], tuple[str, ...]],
+          count_offload: bool = False) -> _Combos:
     resident = np.array([c.resident.total for c in candidates])
     transient = np.array([c.transient_bytes for c in candidates])
+    offload = np.array([c.offload_bytes for c in candidates]) if count_offload else \
+        np.zeros(len(candidates))
     m, n = len(combos.resident), len(candidates)
     grown = _Combos(
         contributions=(combos.contributions[:, None, :] + contributions[None, :, :]).reshape(
@@ -216,10 +240,13 @@ def _fold(combos: _Combos, candidates: Sequence[RoleCandidate], contributions: n
         transient=np.maximum(combos.transient[:, None], transient[None, :]).reshape(-1),
         picks=np.concatenate([np.repeat(combos.picks, n, axis=0),
                               np.tile(np.arange(n), m)[:, None]], axis=1),
+        offload=(combos.offload[:, None] + offload[None, :]).reshape(-1),
     )
     grown = grown.take(grown.resident + grown.transient <= usable_bytes)
     if prune and len(grown.resident) > 1:
-        values = np.column_stack([grown.contributions, grown.resident, grown.transient])
+        # More state offloaded during generation leaves more KV cache: a better combination.
+        values = np.column_stack([grown.contributions, grown.resident, grown.transient,
+                                  -grown.offload])
         grown = grown.take(pareto_mask(values, _ranks([label_of(p) for p in grown.picks])))
     return grown
 
@@ -266,10 +293,12 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
         gpn = job.cluster.gpus_per_node
         seconds, _, peak_tokens = decode(model, profile, gen, lengths=lengths,
                                          prompt_len=work.prompt_length, cap=cap,
-                                         dtype=work.dtype, gpus_per_node=gpn)
+                                         dtype=work.dtype, gpus_per_node=gpn,
+                                         cuda_graphs=job.framework_profile.rollout.cuda_graphs)
         seconds += prefill_seconds(model, profile, gen, sequences=len(lengths),
                                    prompt_len=work.prompt_length, dtype=work.dtype,
                                    gpus_per_node=gpn)
+        seconds += engine_cycle_seconds(job, model, gen)
         table.seconds_by_cap[cap] = seconds
         table.peak_kv_bytes_by_cap[cap] = peak_tokens * table.kv_bytes_per_token
     return table.seconds_by_cap[cap]
@@ -289,8 +318,11 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     others = [r for r in roles if not any(n.role == r for n in generate_nodes)]
     generators = [r for r in roles if r not in others]
     order = [*others, *generators]
+    # The framework's offload of trained states happens around the set's first generation.
+    offload_group = transition_group if job.framework_profile.offload.any else None
     matrices = {r: _contribution_matrix(candidates[r], group_of, len(groups),
-                                        transition_group if r in generators else None)
+                                        transition_group if r in generators else None,
+                                        offload_group)
                 for r in order}
 
     labels = {r: [plan_label(c.plan) for c in candidates[r]] for r in order}
@@ -301,9 +333,11 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
         return tuple(chosen.get(r, "") for r in job_order)
 
     combos = _Combos(contributions=np.zeros((1, len(groups))), resident=np.zeros(1),
-                     transient=np.zeros(1), picks=np.zeros((1, 0), dtype=int))
+                     transient=np.zeros(1), picks=np.zeros((1, 0), dtype=int),
+                     offload=np.zeros(1))
     for role in others:
-        combos = _fold(combos, candidates[role], matrices[role], usable_bytes, prune, label_of)
+        combos = _fold(combos, candidates[role], matrices[role], usable_bytes, prune, label_of,
+                       count_offload=offload_group is not None)
     profile = job.cluster.profile()
 
     if not generators:
@@ -324,17 +358,26 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
             a_resident = np.array([actor[i].resident.total for i in indices])
             a_transient = np.array([actor[i].transient_bytes for i in indices])
             a_extra = np.array([actor[i].extra_generation_bytes for i in indices])
+            a_offload = np.array([actor[i].offload_bytes if offload_group is not None else 0.0
+                                  for i in indices])
             resident = combos.resident[:, None] + a_resident[None, :]
             transient = np.maximum(combos.transient[:, None], a_transient[None, :])
             extra = np.broadcast_to(a_extra[None, :], resident.shape)
+            offloaded = combos.offload[:, None] + a_offload[None, :]
+            during = resident - offloaded  # resident while the engine runs
             contributions = combos.contributions[:, None, :] + a_contrib[None, :, :]
-            engine_limit = min(gen.memory_utilization * profile.memory_bytes, usable_bytes)
-            ok = resident + np.maximum(transient, extra) <= usable_bytes
+            engine_weights = generation_weight_bytes(job.model(actor_role), gen,
+                                                     job.workload.dtype)
+            ok = np.maximum(resident + transient, during + extra) <= usable_bytes
             gen_peak_bytes = np.zeros(resident.shape)
             for node in generate_nodes:
                 table, lengths = _generation_table(job, node, actor[indices[0]].plan, gpus,
                                                    generation_cache)
-                budget = engine_limit - resident - extra - table.workspace_bytes
+                # Same rule as simulator.predict.kv_budget_bytes, vectorised.
+                budget = np.minimum(
+                    gen.memory_utilization * profile.memory_bytes - engine_weights
+                    - table.workspace_bytes,
+                    usable_bytes - during - extra - table.workspace_bytes)
                 capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token
                 ok &= capacity >= table.longest_tokens
                 caps = np.clip(np.floor(capacity / (job.workload.prompt_length
@@ -347,21 +390,21 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                     contributions[hit, group_of[node.name]] += seconds
                     peak = extra + table.peak_kv_bytes_by_cap[int(cap)] + table.workspace_bytes
                     gen_peak_bytes[hit] = np.maximum(gen_peak_bytes[hit], peak[hit])
-            ok &= resident + np.maximum(transient, gen_peak_bytes) <= usable_bytes
+            ok &= np.maximum(resident + transient, during + gen_peak_bytes) <= usable_bytes
             o_idx, a_idx = np.nonzero(ok)
             if len(o_idx) == 0:
                 continue
             rows_d.append(contributions[o_idx, a_idx])
             rows_pick.append(np.column_stack([combos.picks[o_idx], idx[a_idx]]))
             rows_resident.append(resident[o_idx, a_idx])
-            rows_transient.append(np.maximum(transient, gen_peak_bytes)[o_idx, a_idx])
+            rows_transient.append(np.maximum(transient, gen_peak_bytes - offloaded)[o_idx, a_idx])
         if not rows_d:
             return []
         durations = np.concatenate(rows_d)
         residents = np.concatenate(rows_resident)
         transients = np.concatenate(rows_transient)
         combos = _Combos(contributions=durations, resident=residents, transient=transients,
-                         picks=np.concatenate(rows_pick))
+                         picks=np.concatenate(rows_pick), offload=np.zeros(len(residents)))
         selected = np.arange(len(durations))
 
     if prune and len(selected) > 1:

@@ -38,7 +38,8 @@ from simulator.plan import ColocatedSet, Plan, RolePlan, placement_string
 from simulator.predict import (
     CONTROLLER_LOCATION,
     controller_node,
-    edge_transfer_seconds,
+    edge_seconds,
+    engine_cycle_seconds,
     generation_lengths,
     node_sequences,
 )
@@ -193,12 +194,7 @@ class _Layout:
             for dep in node.after:
                 source = self.item_of[dep]
                 src_location = self.items[source][0]
-                seconds = self.call_seconds
-                if src_location != location:
-                    seconds += edge_transfer_seconds(
-                        job, job.dataflow.node(dep).operation, self.sequences[dep],
-                        1 if src_location < 0 else sizes[src_location],
-                        1 if location < 0 else sizes[location])
+                seconds = edge_seconds(job, job.dataflow.node(dep), src_location, location)
                 inputs.append((source, seconds))
             steps.append(Step(name="+".join(nodes), location=location,
                               inputs=tuple(dict.fromkeys(inputs))))
@@ -462,10 +458,12 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
                       prompt_len=work.prompt_length, mean_response=sum(lengths) / len(lengths))
     profile = job.cluster.profile()
     seconds, _, _ = decode(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
-                           cap=cap, dtype=work.dtype, gpus_per_node=job.cluster.gpus_per_node)
+                           cap=cap, dtype=work.dtype, gpus_per_node=job.cluster.gpus_per_node,
+                           cuda_graphs=job.framework_profile.rollout.cuda_graphs)
     return seconds + prefill_seconds(model, profile, gen, sequences=len(lengths),
                                      prompt_len=work.prompt_length, dtype=work.dtype,
-                                     gpus_per_node=job.cluster.gpus_per_node)
+                                     gpus_per_node=job.cluster.gpus_per_node) \
+        + engine_cycle_seconds(job, model, gen)
 
 
 def _push(top: list, candidate: Candidate, k: int) -> None:

@@ -97,6 +97,10 @@ class SpaceOptions:
     """Training micro-batch sizes tried (sequences per GPU)."""
     recompute: tuple[str, ...] = ("selective", "full")
     """Activation recompute modes tried for trained models."""
+    max_num_seqs: tuple[int, ...] = ()
+    """Rollout running-batch caps tried beside the framework's default (or the pin)."""
+    memory_utilization: tuple[float, ...] = ()
+    """Rollout gpu_memory_utilization values tried beside the framework's default (or pin)."""
 
 
 def _powers_of_two(limit: int) -> list[int]:
@@ -160,6 +164,12 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     recomputes = (pins["recompute"],) if "recompute" in pins else (
         options.recompute if trained else ("selective",))
     vpp = pins.get("vpp", 1)
+    overlap_grad, overlap_param = job.overlap_for(role)
+    default_seqs, default_utilization = job.rollout_defaults()
+    seq_caps = (default_seqs,) if "max_num_seqs" in pins else tuple(
+        sorted({default_seqs, *options.max_num_seqs}))
+    utilizations = (default_utilization,) if "gpu_memory_utilization" in pins else tuple(
+        sorted({default_utilization, *options.memory_utilization}))
     # The executor's torch backend runs tensor parallelism without sequence parallelism.
     sequence_parallel = pins.get("sequence_parallel", options.backend != "fsdp")
 
@@ -171,7 +181,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
             for recompute in recomputes:
                 par = ParallelConfig(tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp,
                                      sharding=sharding, recompute=recompute,  # type: ignore[arg-type]
-                                     sequence_parallel=sequence_parallel, micro_batch_size=mbs)
+                                     sequence_parallel=sequence_parallel, micro_batch_size=mbs,
+                                     overlap_grad_reduce=overlap_grad,
+                                     overlap_param_gather=overlap_param)
                 if not generates:
                     out.append(RolePlan(parallel=par))
                     continue
@@ -189,7 +201,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                     for gen_pp in gen_pps:
                         if shards % (gen_tp * gen_pp) or (sharding != "fsdp" and pp % gen_pp):
                             continue
-                        gen = GenerationConfig(tp=gen_tp, pp=gen_pp,
-                                               max_num_seqs=pins.get("max_num_seqs", 256))
-                        out.append(RolePlan(parallel=par, generation=gen))
+                        for seqs in seq_caps:
+                            for utilization in utilizations:
+                                gen = GenerationConfig(tp=gen_tp, pp=gen_pp, max_num_seqs=seqs,
+                                                       memory_utilization=utilization)
+                                out.append(RolePlan(parallel=par, generation=gen))
     return out

@@ -29,7 +29,9 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
     tp = pinned.get("tp", tp)
     # Virtual stages need a pipeline: with only vpp pinned, try the shortest one.
     pp = pinned.get("pp", 2 if pinned.get("vpp", 1) > 1 else 1)
+    overlap_grad, overlap_param = job.overlap_for(role)
     par = ParallelConfig(
+        overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
         tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), vpp=pinned.get("vpp", 1),
         sharding=pinned.get("sharding", "optimizer" if trained and gpus > tp * pp else "none"),
         recompute=pinned.get("recompute", "selective"),
@@ -38,9 +40,11 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
                                     if trained else job.workload.infer_micro_batch_size))
     generation = None
     if "generate" in job.dataflow.operations_of(role):
+        max_num_seqs, utilization = job.rollout_defaults()
         generation = GenerationConfig(tp=pinned.get("generation_tp", min(gen_tp, tp)),
                                       pp=pinned.get("generation_pp", 1),
-                                      max_num_seqs=pinned.get("max_num_seqs", 256))
+                                      max_num_seqs=max_num_seqs,
+                                      memory_utilization=utilization)
     return RolePlan(parallel=par, generation=generation)
 
 

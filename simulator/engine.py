@@ -236,7 +236,7 @@ def _result(mode: Mode, job: JobSpec, plan: Plan, estimate: PlanEstimate,
 
 
 def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 1,
-             transition_scheme: str = "micro_dp",
+             transition_scheme: str | None = None,
              overlap_iterations: bool = False) -> SimulationResult:
     """Validate ``plan`` against ``job``, predict every node, and simulate."""
     from simulator.predict import estimate_plan

@@ -19,11 +19,12 @@ from simulator.costs.inference import forward_pass
 from simulator.costs.memory import GIB, MemoryBreakdown, does_not_fit_message
 from simulator.costs.training import optimizer_memory, train_step
 from simulator.costs.transfer import transfer_seconds
-from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
+from simulator.costs.transition import Scheme, TransitionCost, compare_schemes, weight_tensors
 from simulator.plan import Plan, RolePlan
 from simulator.specs.dataflow import CONTROLLER, Node
 from simulator.specs.job import JobSpec
-from simulator.specs.parallel import ParallelConfig
+from simulator.specs.model import ModelSpec
+from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
 VALUE_HEAD_ROLES = ("critic", "reward", "cost")
 """Roles whose model ends in a scalar value head instead of the language-model head."""
@@ -50,6 +51,9 @@ class NodeEstimate:
     detail: dict[str, float] = field(default_factory=dict)
     feasible: bool = True
     reason: str = ""
+    offloaded: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    """Per-GPU resident state of the set that the framework keeps in host memory while this
+    node runs (trained models' states around generation)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +93,8 @@ class PlanEstimate:
     transition_schemes: dict[str, TransitionCost]
     """All three schemes, for comparison."""
     transfers: dict[tuple[str, str], float]
-    """Seconds to move data along each dataflow edge that changes location."""
+    """Seconds from a producer's end to its consumer's start along each dataflow edge (the
+    controller's call overhead and the batch's way through the controller)."""
     memory: tuple[SetMemory, ...]
     tokens_per_iteration: float
     reasons: tuple[str, ...]
@@ -134,24 +139,86 @@ def role_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBrea
     return state, 0.0
 
 
+def offload_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
+    """What the framework moves to host memory of a trained ``role`` while the rollout engine
+    runs on its GPUs, per GPU, and the seconds of moving it out and back (bytes at the copy
+    rate, plus a fixed cost per tensor and state kind)."""
+    offload = job.framework_profile.offload
+    if not offload.any or role not in job.dataflow.trained_roles:
+        return MemoryBreakdown(), 0.0
+    state, _ = role_state(job, role, par)
+    moved = MemoryBreakdown(params=state.params if offload.params else 0.0,
+                            grads=state.grads if offload.grads else 0.0,
+                            optimizer=state.optimizer if offload.optimizer else 0.0)
+    tensors = sum(weight_tensors(job.model(role)).values()) / (
+        par.pp if par.sharding != "fsdp" else 1)
+    kinds = offload.params + offload.grads + 3 * offload.optimizer  # master, m, v
+    one_way = moved.total / offload.bytes_per_s + tensors * kinds * offload.seconds_per_tensor
+    return moved, 2.0 * one_way
+
+
+def extra_generation_weights(job: JobSpec, engine_weights: float,
+                             training_params: float) -> float:
+    """Per-GPU weight bytes generation adds to the GPU: with the 3D-HybridEngine only what
+    the training shard lacks; a separate engine (vLLM) its whole copy; and the whole copy
+    too when the framework offloaded the training parameters."""
+    framework = job.framework_profile
+    if framework.rollout.weights_alias_training and not framework.offload.params:
+        return max(0.0, engine_weights - training_params)
+    return engine_weights
+
+
+def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: float,
+                    workspace: float, resident_during: float, extra_weights: float) -> float:
+    """Per-GPU bytes left for the KV cache: the engine's own limit (gpu_memory_utilization of
+    the device, minus its weights and workspace; vLLM applies it per instance) and what the
+    GPU has left beside the set's resident state, whichever is smaller."""
+    profile = job.cluster.profile()
+    engine = gen.memory_utilization * profile.memory_bytes - engine_weights - workspace
+    device = profile.usable_memory_bytes - resident_during - extra_weights - workspace
+    return min(engine, device)
+
+
+def engine_cycle_seconds(job: JobSpec, model: ModelSpec, gen: GenerationConfig) -> float:
+    """Per generation: the rollout engine's sleep and wake when the framework frees the KV
+    cache between iterations, with the copy of its weights to host and back at sleep level 1."""
+    rollout = job.framework_profile.rollout
+    if not rollout.free_kv_cache:
+        return 0.0
+    seconds = rollout.sleep_seconds + rollout.wake_seconds
+    weights = generation_weight_bytes(model, gen, job.workload.dtype)
+    if rollout.weight_backup_bytes_per_s > 0:
+        seconds += weights / rollout.weight_backup_bytes_per_s
+    if rollout.weight_restore_bytes_per_s > 0:
+        seconds += weights / rollout.weight_restore_bytes_per_s
+    return seconds
+
+
 def controller_node(job: JobSpec, node: Node) -> NodeEstimate:
     """Work on the single controller: advantages, or a rule standing in for a model."""
     work = job.workload
     sequences = node_sequences(job, node)
     per_sample = (work.controller_seconds_per_sample if node.role == CONTROLLER
                   else work.rule_reward_seconds_per_sample)
+    seconds = sequences * per_sample
+    if node.name == next((n.name for n in job.dataflow.nodes if n.role == CONTROLLER), None):
+        seconds += job.framework_profile.fixed_costs.iteration_seconds
     return NodeEstimate(name=node.name, role=node.role, operation=node.operation,
-                        location=CONTROLLER_LOCATION, seconds=sequences * per_sample,
+                        location=CONTROLLER_LOCATION, seconds=seconds,
                         sequences=sequences, tokens=sequences * work.mean_sequence_tokens())
 
 
 def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                set_resident_bytes: float = 0.0, resident: MemoryBreakdown | None = None,
-               freed_grads: float = 0.0) -> NodeEstimate:
+               freed_grads: float = 0.0, set_offload: MemoryBreakdown | None = None,
+               set_offload_seconds: float = 0.0) -> NodeEstimate:
     """Predict one node of a model role laid out as ``role_plan``.
 
     Generation needs the colocated set's resident bytes per GPU (``set_resident_bytes``, all
-    roles of the set) and the role's own resident state, because the KV cache gets what is left.
+    roles of the set) and the role's own resident state, because the KV cache gets what is left;
+    ``set_offload`` is what the framework moves to host memory meanwhile (and
+    ``set_offload_seconds`` what moving it out and back costs, charged to the first
+    generation of the iteration).
     """
     profile = job.cluster.profile()
     gpn = job.cluster.gpus_per_node
@@ -170,28 +237,38 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         if gen is None:
             raise SpecError("the actor needs a generation config", key=f"roles.{role}")
         own = resident if resident is not None else role_state(job, role, par)[0]
+        offloaded = set_offload or MemoryBreakdown()
+        first = node.name == first_generate_node(job)
+        if not first:
+            set_offload_seconds = 0.0
         replicas = gen.replicas(par)
         lengths = generation_lengths(job, node, replicas)
-        extra_weights = max(0.0, generation_weight_bytes(model, gen, dtype) - own.params)
-        engine_limit = min(gen.memory_utilization * profile.memory_bytes,
-                           profile.usable_memory_bytes)
-        budget = (engine_limit - set_resident_bytes - extra_weights
-                  - workspace_bytes(model, gen, dtype))
+        engine_weights = generation_weight_bytes(model, gen, dtype)
+        extra_weights = extra_generation_weights(job, engine_weights, own.params)
+        workspace = workspace_bytes(model, gen, dtype)
+        budget = kv_budget_bytes(job, gen, engine_weights=engine_weights, workspace=workspace,
+                                 resident_during=set_resident_bytes - offloaded.total,
+                                 extra_weights=extra_weights)
         cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
-                        kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn)
+                        kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
+                        cuda_graphs=job.framework_profile.rollout.cuda_graphs)
+        cycle = engine_cycle_seconds(job, model, gen)
         return NodeEstimate(
             name=node.name, role=role, operation="generate", location=location,
-            seconds=cost.seconds, sequences=sequences, tokens=tokens,
+            seconds=cost.seconds + cycle + set_offload_seconds, sequences=sequences,
+            tokens=tokens,
             transient=MemoryBreakdown(params=extra_weights, kv_cache=cost.memory.kv_cache,
                                       activations=cost.memory.activations),
             detail={"prefill_seconds": cost.prefill_seconds,
                     "decode_seconds": cost.decode_seconds,
+                    "engine_sleep_wake_seconds": cycle,
+                    "offload_seconds": set_offload_seconds,
                     "decode_steps": float(cost.decode_steps),
                     "max_running": float(cost.max_running),
                     "kv_capacity_tokens": cost.kv_capacity_tokens,
                     "replicas": float(replicas),
                     "generated_tokens_per_replica": float(cost.generated_tokens)},
-            feasible=cost.feasible, reason=cost.reason)
+            feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
     if node.operation == "infer":
         cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
                             seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
@@ -202,9 +279,10 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                 model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
                 micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
                 gpus_per_node=gpn).activations_bytes
+        fixed = job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
         return NodeEstimate(
             name=node.name, role=role, operation="infer", location=location,
-            seconds=cost.seconds, sequences=sequences, tokens=tokens,
+            seconds=cost.seconds + fixed, sequences=sequences, tokens=tokens,
             transient=MemoryBreakdown(activations=activations),
             detail={"micro_batches": float(cost.micro_batches)})
     steps = work.ppo_epochs * work.mini_batches_per_epoch
@@ -218,29 +296,47 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,
                                  dtype=dtype, value_head=value_head,
                                  gpus_per_node=gpn).memory.activations
+    fixed_costs = job.framework_profile.fixed_costs
+    step_seconds = (step.seconds + fixed_costs.optimizer_step_seconds
+                    + fixed_costs.micro_batch_seconds * step.micro_batches)
     detail = {f"{k}_seconds": steps * v for k, v in step.breakdown.items()}
     detail["optimizer_steps"] = float(steps)
-    detail["seconds_per_step"] = step.seconds
+    detail["seconds_per_step"] = step_seconds
     return NodeEstimate(
         name=node.name, role=role, operation="train", location=location,
-        seconds=steps * step.seconds, sequences=sequences * work.ppo_epochs,
+        seconds=steps * step_seconds, sequences=sequences * work.ppo_epochs,
         tokens=tokens * work.ppo_epochs,
         transient=MemoryBreakdown(grads=freed_grads, activations=activations), detail=detail)
 
 
-def edge_transfer_seconds(job: JobSpec, operation: str, sequences: float, sender_gpus: int,
-                          receiver_gpus: int) -> float:
-    """Seconds to move the output of a node (its ``operation`` over ``sequences``) from one
-    location to another."""
-    return transfer_seconds(job.cluster.profile(), sequences=sequences,
-                            tokens_per_sequence=job.workload.mean_sequence_tokens(),
-                            operation=operation, sender_gpus=sender_gpus,
-                            receiver_gpus=receiver_gpus)
+def edge_seconds(job: JobSpec, producer: Node, producer_location: int,
+                 consumer_location: int) -> float:
+    """Seconds between a producer ending and its consumer starting: the controller collects
+    the result and dispatches the next call (``call_seconds``), and the batch crosses the
+    controller's link on each leg between a worker and the controller."""
+    profile = job.cluster.profile()
+    legs = (producer_location != CONTROLLER_LOCATION) + (consumer_location != CONTROLLER_LOCATION)
+    call = profile.overheads.call_seconds + job.framework_profile.fixed_costs.call_seconds
+    return call + transfer_seconds(
+        profile, sequences=node_sequences(job, producer),
+        tokens_per_sequence=job.workload.mean_sequence_tokens(), operation=producer.operation,
+        legs=legs)
+
+
+def first_generate_node(job: JobSpec) -> str:
+    return next(n.name for n in job.dataflow.nodes
+                if n.role == "actor" and n.operation == "generate")
+
+
+def transition_scheme_of(job: JobSpec, actor: RolePlan) -> Scheme:
+    """The resharding scheme the job's framework uses for the actor's training layout."""
+    return job.framework_profile.transition_scheme(actor.parallel.sharding)
 
 
 def estimate_plan(job: JobSpec, plan: Plan, *,
-                  transition_scheme: Scheme = "micro_dp") -> PlanEstimate:
-    """Predict every node of ``job``'s dataflow under ``plan`` (one iteration)."""
+                  transition_scheme: Scheme | None = None) -> PlanEstimate:
+    """Predict every node of ``job``'s dataflow under ``plan`` (one iteration).
+    ``transition_scheme`` overrides the framework's resharding scheme (to compare)."""
     profile = job.cluster.profile()
     gpn = job.cluster.gpus_per_node
     dtype = job.workload.dtype
@@ -252,6 +348,10 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     for role in job.gpu_roles:
         resident[role], freed_grads[role] = role_state(job, role, plan.roles[role].parallel)
     set_resident = [sum((resident[r] for r in s.roles), MemoryBreakdown()) for s in plan.sets]
+    offloads = {r: offload_state(job, r, plan.roles[r].parallel) for r in job.gpu_roles}
+    set_offload = [sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
+                   for s in plan.sets]
+    set_offload_seconds = [sum(offloads[r][1] for r in s.roles) for s in plan.sets]
 
     nodes: dict[str, NodeEstimate] = {}
     for node in dataflow.nodes:
@@ -262,7 +362,9 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
         estimate = model_node(job, node, plan.roles[node.role], location=location,
                               set_resident_bytes=set_resident[location].total,
                               resident=resident[node.role],
-                              freed_grads=freed_grads[node.role])
+                              freed_grads=freed_grads[node.role],
+                              set_offload=set_offload[location],
+                              set_offload_seconds=set_offload_seconds[location])
         if not estimate.feasible:
             s = plan.sets[location]
             reasons.append(f"{node.name}: {estimate.reason} (set {location}: {s.label()} on "
@@ -274,8 +376,9 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     memory: list[SetMemory] = []
     for i, s in enumerate(plan.sets):
         worst = max((n for n in nodes.values() if n.location == i),
-                    key=lambda n: n.transient.total, default=None)
-        peak = set_resident[i] + (worst.transient if worst else MemoryBreakdown())
+                    key=lambda n: n.transient.total - n.offloaded.total, default=None)
+        peak = set_resident[i] + (worst.transient - worst.offloaded if worst
+                                  else MemoryBreakdown())
         sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=set_resident[i],
                        peak=peak, peak_node=worst.name if worst else "",
                        available_bytes=profile.usable_memory_bytes)
@@ -290,23 +393,14 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     if actor_plan is not None and actor_plan.generation is not None:
         schemes = compare_schemes(job.model("actor"), profile, actor_plan.parallel,
                                   actor_plan.generation, dtype=dtype, gpus_per_node=gpn)
-        chosen = schemes[transition_scheme]
+        chosen = schemes[transition_scheme or transition_scheme_of(job, actor_plan)]
 
-    # Transfers along edges that change location.
-    def gpus_at(location: int) -> int:
-        return plan.sets[location].gpus if location >= 0 else 1
-
-    call = profile.overheads.call_seconds
+    # Every edge goes through the controller.
     transfers: dict[tuple[str, str], float] = {}
     for node in dataflow.nodes:
-        dst = nodes[node.name]
         for dep in node.after:
-            src = nodes[dep]
-            seconds = call
-            if src.location != dst.location:
-                seconds += edge_transfer_seconds(
-                    job, src.operation, node_sequences(job, dataflow.node(dep)),
-                    gpus_at(src.location), gpus_at(dst.location))
+            seconds = edge_seconds(job, dataflow.node(dep), nodes[dep].location,
+                                   nodes[node.name].location)
             if seconds > 0:
                 transfers[(dep, node.name)] = seconds
 

@@ -63,7 +63,7 @@ class DecodeStepModel:
     tp_crosses_nodes: bool
 
     def step_seconds(self, profile: DeviceProfile, dtype: str, batch: float,
-                     kv_tokens: float) -> float:
+                     kv_tokens: float, cuda_graphs: bool = False) -> float:
         bytes_read = self.weight_bytes_per_gpu + kv_tokens * self.kv_bytes_per_token_per_gpu
         memory = bytes_read / (profile.memory_bandwidth_bytes_per_s
                                * profile.efficiency.memory.at(bytes_read))
@@ -75,10 +75,14 @@ class DecodeStepModel:
                    + kv_tokens * self.attention_flops_per_kv_token_per_gpu / peak)
         comm = 2 * self.layers_per_stage * all_reduce_seconds(
             profile, batch * self.hidden_bytes, self.tp, self.tp_crosses_nodes)
-        # Decode kernels are microseconds long, so each kernel's fixed launch cost adds up
-        # instead of hiding behind the previous kernel as it does in training.
-        launches = self.layers_per_stage * KERNELS_PER_LAYER_DECODE * \
-            profile.overheads.kernel_launch_seconds
+        # Decode kernels are microseconds long, so in eager mode each kernel's fixed launch
+        # cost adds up instead of hiding behind the previous kernel as it does in training
+        # (vLLM PR #1440: Llama-2-7B at batch 1 decodes in ~12 ms per step eager, ~10.5 ms
+        # with CUDA graphs). A captured graph replays the step's kernels from one launch.
+        launches = profile.overheads.kernel_launch_seconds if (
+            cuda_graphs and profile.kind == "gpu") else (
+            self.layers_per_stage * KERNELS_PER_LAYER_DECODE
+            * profile.overheads.kernel_launch_seconds)
         # The fitted decode correction scales the device work only (not collectives, which
         # carry their own correction, nor the fixed per-kernel cost).
         stage = max(memory, compute) * profile.correction("decode") + comm + launches
@@ -179,7 +183,7 @@ def running_cap(gen: GenerationConfig, *, sequences: int, kv_capacity_tokens: fl
 @lru_cache(maxsize=65536)
 def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
            lengths: tuple[int, ...], prompt_len: int, cap: int, dtype: str = "bf16",
-           gpus_per_node: int = 8) -> tuple[float, int, float]:
+           gpus_per_node: int = 8, cuda_graphs: bool = False) -> tuple[float, int, float]:
     """Continuous-batching decode of ``lengths`` (arrival order) with at most ``cap`` running:
     (seconds, decode steps, peak KV tokens). Cached on ``cap``, not on the memory budget, so
     every budget that allows the same running batch shares one evaluation."""
@@ -201,7 +205,8 @@ def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
         if count > 0:
             middle = step + (count - 1) / 2
             kv_middle = batch * (prompt_len + 1 + middle) - admitted_sum
-            seconds += count * step_model.step_seconds(profile, dtype, batch, kv_middle)
+            seconds += count * step_model.step_seconds(profile, dtype, batch, kv_middle,
+                                                       cuda_graphs)
             kv_end = batch * (prompt_len + finish) - admitted_sum
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
@@ -217,7 +222,8 @@ def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
 
 def generate(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
              lengths: tuple[int, ...], prompt_len: int, kv_budget_bytes: float,
-             dtype: str = "bf16", gpus_per_node: int = 8) -> GenerationCost:
+             dtype: str = "bf16", gpus_per_node: int = 8,
+             cuda_graphs: bool = False) -> GenerationCost:
     """One replica decodes sequences with response ``lengths`` (in arrival order).
 
     ``kv_budget_bytes`` is the per-GPU memory left for the KV cache after the weights, the
@@ -248,7 +254,7 @@ def generate(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
                       mean_response=generated / n)
     decode_seconds, steps, peak_kv_tokens = decode(
         model, profile, gen, lengths=lengths, prompt_len=prompt_len, cap=cap, dtype=dtype,
-        gpus_per_node=gpus_per_node)
+        gpus_per_node=gpus_per_node, cuda_graphs=cuda_graphs)
     prefill = prefill_seconds(model, profile, gen, sequences=n, prompt_len=prompt_len,
                               dtype=dtype, gpus_per_node=gpus_per_node)
     memory = MemoryBreakdown(params=weights,

@@ -30,6 +30,10 @@ class MemoryBreakdown:
         return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                                   for f in fields(self)})
 
+    def __sub__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(**{f.name: getattr(self, f.name) - getattr(other, f.name)
+                                  for f in fields(self)})
+
     def as_dict(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["total"] = self.total

@@ -1,5 +1,10 @@
-"""Moving a batch between colocated sets (e.g. responses from the actor's GPUs to the
-critic's). Within one set the data is already there and costs nothing."""
+"""Moving a batch from the node that produced it to the node that consumes it.
+
+With a single controller (HybridFlow, verl, this project's executor) every call returns its
+output to the controller and the controller sends the next call its input: a batch crosses
+the controller's network link once on the way in and once on the way out, whichever sets the
+two nodes live on. Work done on the controller itself (advantages, rule rewards) needs only
+the leg that reaches or leaves it."""
 
 from __future__ import annotations
 
@@ -18,13 +23,12 @@ returns and old log-probs."""
 
 
 def transfer_seconds(profile: DeviceProfile, *, sequences: float, tokens_per_sequence: float,
-                     operation: str, sender_gpus: int, receiver_gpus: int) -> float:
-    """Seconds to move the output of a node with ``operation`` between two sets.
-
-    Shards move in parallel between data-parallel ranks through the object store, so the
-    narrower side's per-GPU network links carry the batch.
-    """
+                     operation: str, legs: int) -> float:
+    """Seconds to move the output of a node with ``operation`` through the controller:
+    ``legs`` crossings (worker -> controller, controller -> worker) of its single link (one
+    NIC; on one machine, its loopback)."""
+    if legs <= 0:
+        return 0.0
     total = sequences * tokens_per_sequence * BYTES_PER_TOKEN.get(operation, 4)
-    lanes = max(1, min(sender_gpus, receiver_gpus))
-    seconds = p2p_seconds(profile, total / lanes, crosses_nodes=True)
+    seconds = legs * p2p_seconds(profile, total, crosses_nodes=True)
     return seconds * profile.correction("transfer")

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
 from profiles.datafile import SpecError, from_mapping, read_mapping
+from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
 from simulator.specs.cluster import ClusterSpec
-from simulator.specs.dataflow import RULE_ROLES, Dataflow, get_dataflow
+from simulator.specs.dataflow import (
+    CONTROLLER,
+    RULE_ROLES,
+    Dataflow,
+    Node,
+    get_dataflow,
+)
 from simulator.specs.lengths import parse_lengths
 from simulator.specs.model import ModelSpec, load_model
 from simulator.specs.parallel import Recompute, Sharding
@@ -36,12 +44,22 @@ class RolePin:
     """Actor only: generation pipeline size."""
     max_num_seqs: int | None = None
     """Actor only: generation running-batch cap per replica."""
+    gpu_memory_utilization: float | None = None
+    """Actor only: fraction of GPU memory the rollout engine may fill (weights + KV cache)."""
+    overlap_grad_reduce: bool | None = None
+    """Overlap the gradient reduction with the backward pass (default: on when the
+    framework allows it, since it is never slower)."""
+    overlap_param_gather: bool | None = None
+    """Overlap the distributed optimizer's / FSDP's parameter gathers with compute."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                 raise SpecError(f"must be a positive integer, got {value}", key=f.name)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise SpecError(f"must be in (0, 1], got {self.gpu_memory_utilization}",
+                            key="gpu_memory_utilization")
 
     def set_fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -103,9 +121,19 @@ class JobSpec:
     """Optional per-role executor backends (default torch + native)."""
     name: str = ""
     """Display name of the job."""
+    framework: str = DEFAULT_FRAMEWORK
+    """The RLHF framework that runs the job: a profile name (``profiles/frameworks/``: verl,
+    nemo-rl, hybridflow) or a profile YAML. It decides which passes run, overlap defaults,
+    the rollout engine's behaviour, offload and fixed costs."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
+        try:
+            load_framework(self.framework)
+        except SpecError as exc:
+            if exc.source and exc.key:  # a problem inside the framework's own file
+                raise
+            raise SpecError(exc.problem, key="framework", source=exc.source) from None
         for i, group in enumerate(self.cluster.node_groups):
             key = "cluster.device" if self.cluster.is_homogeneous else \
                 f"cluster.node_groups[{i}].device"
@@ -155,7 +183,7 @@ class JobSpec:
                         raise SpecError(f"{key}={value} does not divide the {model.heads} heads "
                                         f"of {model.name}", key=f"parallel.{role}.{key}")
                 if role != "actor" and (pin.generation_tp or pin.generation_pp or
-                                        pin.max_num_seqs):
+                                        pin.max_num_seqs or pin.gpu_memory_utilization):
                     raise SpecError("only the actor generates", key=f"parallel.{role}")
                 _check_pin_layout(pin, model, key=f"parallel.{role}")
         for role, chosen in self.backends.items():
@@ -171,8 +199,36 @@ class JobSpec:
     # ----- queries -----
 
     @property
+    def framework_profile(self) -> FrameworkProfile:
+        return load_framework(self.framework)
+
+    def overlap_for(self, role: str) -> tuple[bool, bool]:
+        """(overlap_grad_reduce, overlap_param_gather) for ``role``: pinned, else on when the
+        framework lets users turn it on (overlap is never slower), else its default."""
+        pin = self.parallel.get(role)
+        training = self.framework_profile.training
+        grad = training.overlap_configurable or training.overlap_grad_reduce
+        param = training.overlap_configurable or training.overlap_param_gather
+        if pin is not None and pin.overlap_grad_reduce is not None:
+            grad = pin.overlap_grad_reduce
+        if pin is not None and pin.overlap_param_gather is not None:
+            param = pin.overlap_param_gather
+        return grad, param
+
+    def rollout_defaults(self) -> tuple[int, float]:
+        """(max_num_seqs, gpu_memory_utilization) of the actor's engine: pinned, else the
+        framework's defaults."""
+        pin = self.parallel.get("actor")
+        rollout = self.framework_profile.rollout
+        seqs = pin.max_num_seqs if pin and pin.max_num_seqs else rollout.max_num_seqs
+        utilization = pin.gpu_memory_utilization if pin and pin.gpu_memory_utilization \
+            else rollout.gpu_memory_utilization
+        return seqs, utilization
+
+    @property
     def dataflow(self) -> Dataflow:
-        return get_dataflow(self.algorithm)
+        """The algorithm's dataflow with the passes the framework adds."""
+        return dataflow_with_passes(self.algorithm, self.framework)
 
     @property
     def gpu_roles(self) -> tuple[str, ...]:
@@ -190,9 +246,7 @@ class JobSpec:
         return model
 
     def with_cluster(self, cluster: ClusterSpec) -> JobSpec:
-        return JobSpec(algorithm=self.algorithm, models=self.models, cluster=cluster,
-                       workload=self.workload, parallel=self.parallel, backends=self.backends,
-                       name=self.name)
+        return replace(self, cluster=cluster)
 
     def to_value(self) -> dict[str, Any]:
         """The job as a plain mapping (what a job YAML would hold; models inlined)."""
@@ -223,10 +277,45 @@ class JobSpec:
             "workload": workload,
             "parallel": {r: p.set_fields() for r, p in self.parallel.items()},
             "backends": {r: to_mapping(b) for r, b in self.backends.items()},
+            "framework": self.framework,
         }
 
 
-_JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends")
+OLD_LOG_PROB_NODE = "actor.old_log_prob"
+"""The node a framework adds when it recomputes old log-probs with the training engine."""
+
+
+@cache
+def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
+    """``algorithm``'s dataflow plus the passes ``framework`` runs: with the old-log-prob
+    recompute, one more actor forward over the sampled sequences right after generation,
+    which the controller's work (advantages) then waits for."""
+    base = get_dataflow(algorithm)
+    profile = load_framework(framework)
+    if not profile.passes.old_log_prob or "actor" not in base.trained_roles:
+        return base
+    sampled = [n for n in base.nodes if n.role == "actor" and n.operation == "generate"
+               and n.responses == "sampled"]
+    if not sampled:
+        return base
+    pass_node = Node(role="actor", operation="infer", name=OLD_LOG_PROB_NODE,
+                     after=(sampled[0].name,))
+    consumers = [n.name for n in base.nodes if n.role == CONTROLLER] or \
+        [n.name for n in base.nodes if n.role == "actor" and n.operation == "train"]
+    nodes = []
+    last_generate = max(i for i, n in enumerate(base.nodes)
+                        if n.role == "actor" and n.operation == "generate")
+    for i, node in enumerate(base.nodes):
+        if node.name in consumers:
+            node = replace(node, after=(*node.after, OLD_LOG_PROB_NODE))
+        nodes.append(node)
+        if i == last_generate:
+            nodes.append(pass_node)
+    return replace(base, nodes=tuple(nodes))
+
+
+_JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
+             "framework")
 
 
 def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
@@ -275,9 +364,15 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
         name = data.get("name", "")
         if not isinstance(name, str):
             raise SpecError(f"expected a string, got {name!r}", key="name")
+        framework = data.get("framework", DEFAULT_FRAMEWORK)
+        if not isinstance(framework, str):
+            raise SpecError(f"expected a framework name or profile path, got {framework!r}",
+                            key="framework")
+        if base_dir is not None and framework.endswith((".yaml", ".yml")):
+            framework = str(base_dir / framework)
         return JobSpec(algorithm=algorithm, models=models,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
-                       parallel=parallel, backends=backends, name=name)
+                       parallel=parallel, backends=backends, name=name, framework=framework)
     except SpecError as exc:
         raise exc.within(source=source) from None
 
