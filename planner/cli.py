@@ -466,19 +466,31 @@ def _print_simulation(job: Any, plan: Any, result: Any, estimate: Any) -> None:
 # plan / compare
 
 
-def _search_options(top: int, backend: str, micro_batches: str) -> Any:
+def _number_list(text: str, parse: Any, flag: str) -> tuple:
+    try:
+        values = tuple(parse(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SpecError(f"expected comma-separated numbers, got {text!r}", key=flag) from None
+    return values
+
+
+def _search_options(top: int, backend: str, micro_batches: str, max_num_seqs: str = "",
+                    memory_utilization: str = "") -> Any:
     from planner.search import SearchOptions
     from planner.space import SpaceOptions
 
-    try:
-        sizes = tuple(int(x) for x in micro_batches.split(",") if x.strip())
-    except ValueError:
-        raise SpecError(f"expected comma-separated integers, got {micro_batches!r}",
-                        key="--micro-batches") from None
+    sizes = _number_list(micro_batches, int, "--micro-batches")
     if not sizes or min(sizes) < 1:
         raise SpecError("give at least one positive integer", key="--micro-batches")
-    return SearchOptions(top_k=top, space=SpaceOptions(backend=backend,  # type: ignore[arg-type]
-                                                       micro_batches=sizes))
+    caps = _number_list(max_num_seqs, int, "--max-num-seqs")
+    if caps and min(caps) < 1:
+        raise SpecError("running-batch caps must be positive integers", key="--max-num-seqs")
+    fractions = _number_list(memory_utilization, float, "--gpu-memory-utilization")
+    if fractions and not all(0 < f <= 1 for f in fractions):
+        raise SpecError("fractions must be in (0, 1]", key="--gpu-memory-utilization")
+    return SearchOptions(top_k=top, space=SpaceOptions(
+        backend=backend, micro_batches=sizes, max_num_seqs=caps,  # type: ignore[arg-type]
+        memory_utilization=fractions))
 
 
 def _resized(job: Any, gpus: int | None, source: str | None) -> Any:
@@ -503,6 +515,12 @@ def _about(source: str | None) -> Iterator[None]:
 
 
 def _search_flags(f: Any) -> Any:
+    f = click.option("--gpu-memory-utilization", "memory_utilization", default="",
+                     help="Rollout gpu_memory_utilization values to try beside the framework's "
+                          "default, e.g. 0.5,0.7,0.9.")(f)
+    f = click.option("--max-num-seqs", "max_num_seqs", default="",
+                     help="Rollout running-batch caps to try beside the framework's default, "
+                          "e.g. 256,1024.")(f)
     f = click.option("--micro-batches", default="1,2,4", show_default=True,
                      help="Training micro-batch sizes to try (sequences per GPU).")(f)
     f = click.option("--backend", type=click.Choice(["any", "megatron", "fsdp"]),
@@ -528,6 +546,7 @@ def _search_flags(f: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
          plan_path: str | None, top: int, backend: str, micro_batches: str,
+         max_num_seqs: str, memory_utilization: str,
          as_json: bool) -> None:
     """Search the best placement and parallel configs; write the plan and a report."""
     from planner.planning import plan_job
@@ -544,7 +563,7 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         _checked(given, job, plan_path)
     else:
         job = _resized(_load_job(config), gpus, config)
-    options = _search_options(top, backend, micro_batches)
+    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization)
     pinned = None
     if placement:
         groups = parse_placement(placement, job.gpu_roles)
@@ -606,7 +625,8 @@ def _print_plan(result: Any, files: Any) -> None:
 @_search_flags
 @click.option("--json", "as_json", is_flag=True, help="One JSON array on stdout.")
 def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
-            micro_batches: str, as_json: bool) -> None:
+            micro_batches: str, max_num_seqs: str, memory_utilization: str,
+            as_json: bool) -> None:
     """The same job at several cluster sizes: throughput per strategy and the winner."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
@@ -620,7 +640,7 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
     if not sizes:
         raise SpecError("give at least one cluster size", key="--gpus")
     base = _load_job(config)
-    options = _search_options(top, backend, micro_batches)
+    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization)
     results = []
     for gpus in sizes:
         job = _resized(base, gpus, config)

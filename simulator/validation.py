@@ -119,13 +119,37 @@ def _generation_rows(group: str, spec: dict) -> list[dict]:
     return rows
 
 
+def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
+    """Whole RLHF iterations: each case is a job (with its framework and every parallel setting
+    pinned), colocated on all its GPUs as the source ran it, simulated for one iteration."""
+    from simulator.default_plan import colocate_plan
+    from simulator.engine import simulate
+    from simulator.specs.job import job_from_mapping
+
+    rows = []
+    for i, case in enumerate(spec["cases"]):
+        source = f"{cases_file} ({group}.cases[{i}])"
+        job = job_from_mapping(case["job"], source=source)
+        plan = colocate_plan(job)
+        result = simulate(job, plan)
+        if not result.feasible:
+            raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
+                            source=source)
+        rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
+                     "measured": float(case["measured"]),
+                     "predicted": result.iteration_seconds})
+    return rows
+
+
 def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[GroupSummary]]:
     """Every case's measurement, prediction and error, and a summary per group."""
     data = read_mapping(cases_file)
     rows: list[dict] = []
     summaries: list[GroupSummary] = []
     for group, spec in data.items():
-        if "metric" in spec:
+        if spec.get("kind") == "rlhf_step":
+            group_rows = _rlhf_step_rows(group, spec, cases_file)
+        elif "metric" in spec:
             group_rows = _generation_rows(group, spec)
         else:
             group_rows = _training_rows(group, spec)

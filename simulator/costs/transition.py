@@ -109,7 +109,8 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         redundant = weights / world
     elif scheme == "train_group":
         group = train_shards
-        span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=world)
+        # The whole tensor x pipeline group: what a micro-DP group is for a one-GPU engine.
+        span = micro_dp_span(train, GenerationConfig(tp=1, pp=1), gpus_per_node)
         peak = weights
         redundant = weights / train_shards
     else:

@@ -61,6 +61,15 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # https://huggingface.co/Qwen/Qwen2.5-72B/blob/main/config.json
     "qwen2.5-72b": _qwen2("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, tied=False,
                           max_seq_len=131072),
+    # https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json (the
+    # architecture of Llama-3-8B; RoPE scaling aside, which costs nothing here).
+    "llama3.1-8b": _llama("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, 131072),
+    # https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json: 64 layers, hidden 5120,
+    # intermediate 25600, 64 heads x head_dim 128, 8 KV heads, vocab 151936, untied, QK-norm and
+    # no QKV bias.
+    "qwen3-32b": ModelSpec(name="qwen3-32b", layers=64, hidden=5120, ffn_hidden=25600,
+                           heads=64, kv_heads=8, head_dim=128, vocab=151936, mlp="swiglu",
+                           tied_embeddings=False, max_seq_len=40960),
     # Megatron GPT models of Korthikanti et al. 2022, Table 3 (arXiv 2205.05198).
     "gpt-22b": _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": _megatron_gpt("gpt-175b", 96, 12288, 96),

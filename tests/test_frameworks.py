@@ -1,0 +1,142 @@
+"""Framework profiles: each mechanism a framework turns on changes the prediction the way its
+source says, and the search stays exact with them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from planner.search import SearchOptions, brute_force, search
+from planner.space import SpaceOptions
+from profiles.datafile import SpecError
+from profiles.framework import available_frameworks, load_framework
+from simulator.costs.generation import decode_step_model, generation_weight_bytes
+from simulator.default_plan import colocate_plan
+from simulator.engine import simulate
+from simulator.predict import estimate_plan
+from simulator.specs.job import OLD_LOG_PROB_NODE, JobSpec, default_job, job_from_mapping
+from simulator.specs.parallel import GenerationConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+
+def on(job: JobSpec, framework: str) -> JobSpec:
+    return replace(job, framework=framework)
+
+
+def test_shipped_frameworks_load_and_differ_where_their_sources_say() -> None:
+    assert {"verl", "nemo-rl", "hybridflow"} <= set(available_frameworks())
+    verl, nemo, ours = (load_framework(n) for n in ("verl", "nemo-rl", "hybridflow"))
+    assert verl.passes.old_log_prob and nemo.passes.old_log_prob
+    assert not ours.passes.old_log_prob
+    assert not verl.training.overlap_grad_reduce and nemo.training.overlap_grad_reduce
+    assert verl.rollout.gpu_memory_utilization == 0.5
+    assert nemo.rollout.gpu_memory_utilization == 0.6
+    assert nemo.offload.any and not verl.offload.any
+    assert default_job().framework == "verl"
+
+
+def test_the_old_log_prob_pass_is_one_more_actor_forward() -> None:
+    job = default_job()
+    names = [n.name for n in job.dataflow.nodes]
+    assert OLD_LOG_PROB_NODE in names
+    assert names.index(OLD_LOG_PROB_NODE) == names.index("actor.generate") + 1
+    advantage = job.dataflow.node("advantage")
+    assert OLD_LOG_PROB_NODE in advantage.after
+    assert OLD_LOG_PROB_NODE not in [n.name for n in on(job, "hybridflow").dataflow.nodes]
+    plan = colocate_plan(job)
+    estimate = estimate_plan(job, plan)
+    # Same model, layout and batch as the reference's forward (llama2-7b everywhere).
+    assert estimate.nodes[OLD_LOG_PROB_NODE].seconds == pytest.approx(
+        estimate.nodes["ref.infer"].seconds)
+
+
+def test_cuda_graphs_remove_the_per_kernel_launches_of_a_decode_step() -> None:
+    from profiles.device import load_profile
+
+    a100 = load_profile("a100-80gb")
+    step = decode_step_model(MODEL_PRESETS["llama2-7b"], GenerationConfig(), "bf16", 8)
+    eager = step.step_seconds(a100, "bf16", 1, 1024, cuda_graphs=False)
+    graphs = step.step_seconds(a100, "bf16", 1, 1024, cuda_graphs=True)
+    # 32 layers x 10 kernels x 5 us launched one by one, or one graph launch of 5 us.
+    assert eager - graphs == pytest.approx((32 * 10 - 1) * 5e-6)
+
+
+def test_engine_sleep_and_wake_are_charged_per_generation() -> None:
+    job = default_job()
+    plan = colocate_plan(job)
+    verl = estimate_plan(job, plan).nodes["actor.generate"]
+    assert verl.detail["engine_sleep_wake_seconds"] == pytest.approx(0.31 + 0.85)
+    nemo_job = on(job, "nemo-rl")
+    gen = plan.roles["actor"].generation
+    weights = generation_weight_bytes(job.model("actor"), gen, "bf16")
+    nemo = estimate_plan(nemo_job, plan).nodes["actor.generate"]
+    assert nemo.detail["engine_sleep_wake_seconds"] == pytest.approx(
+        weights / 2.23e9 + weights / 1.08e10)
+
+
+def test_offloaded_trainer_states_make_room_for_the_kv_cache_and_cost_copies() -> None:
+    job = default_job()
+    plan = colocate_plan(job)
+    verl = estimate_plan(job, plan)
+    nemo = estimate_plan(on(job, "nemo-rl"), plan)
+    gen_verl, gen_nemo = verl.nodes["actor.generate"], nemo.nodes["actor.generate"]
+    assert gen_nemo.offloaded.total > 0 and gen_verl.offloaded.total == 0
+    assert gen_nemo.detail["offload_seconds"] > 0
+    # More KV room (both engines capped by their own gpu_memory_utilization too).
+    assert gen_nemo.detail["kv_capacity_tokens"] >= gen_verl.detail["kv_capacity_tokens"]
+    # Only the first generation pays the offload.
+    assert "offload_seconds" in gen_nemo.detail
+
+
+def test_overlap_is_chosen_where_the_framework_allows_and_can_be_pinned() -> None:
+    job = default_job()
+    plan = colocate_plan(job)
+    assert plan.roles["actor"].parallel.overlap_grad_reduce  # verl can turn it on
+    pinned = job_from_mapping({**job.to_value(), "parallel": {
+        "actor": {"overlap_grad_reduce": False}}})
+    assert not colocate_plan(pinned).roles["actor"].parallel.overlap_grad_reduce
+    ours = on(job, "hybridflow")  # the executor cannot overlap its gradient all-reduce
+    assert not colocate_plan(ours).roles["actor"].parallel.overlap_grad_reduce
+
+
+def test_rollout_settings_come_from_the_framework_unless_pinned() -> None:
+    job = default_job()
+    gen = colocate_plan(job).roles["actor"].generation
+    assert (gen.max_num_seqs, gen.memory_utilization) == (1024, 0.5)
+    pinned = job_from_mapping({**job.to_value(), "parallel": {
+        "actor": {"max_num_seqs": 256, "gpu_memory_utilization": 0.8}}})
+    gen = colocate_plan(pinned).roles["actor"].generation
+    assert (gen.max_num_seqs, gen.memory_utilization) == (256, 0.8)
+    with pytest.raises(SpecError, match="gpu_memory_utilization: must be in"):
+        job_from_mapping({**job.to_value(), "parallel": {
+            "actor": {"gpu_memory_utilization": 1.5}}})
+    with pytest.raises(SpecError, match="framework: unknown framework 'deepspeed-chat'"):
+        job_from_mapping({**job.to_value(), "framework": "deepspeed-chat"})
+
+
+def tiny(framework: str) -> JobSpec:
+    return job_from_mapping({
+        "algorithm": "ppo", "framework": framework,
+        "models": {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-2l",
+                   "reward": "tiny-2l"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8},
+        "workload": {"prompts_per_iteration": 64, "prompt_length": 16,
+                     "mini_batches_per_epoch": 2,
+                     "response_length": {"distribution": "uniform", "min": 4, "max": 32}}})
+
+
+@pytest.mark.parametrize("framework", ["verl", "nemo-rl"])
+def test_search_equals_brute_force_under_each_framework(framework: str) -> None:
+    """The search's frontiers and bounds stay exact with each framework's mechanisms on
+    (old-log-prob pass, sleep/wake, offload, per-instance memory utilisation, two values of
+    it tried)."""
+    job = tiny(framework)
+    space = SpaceOptions(micro_batches=(1,), recompute=("selective",), backend="fsdp",
+                         memory_utilization=(0.9,))
+    found = search(job, SearchOptions(space=space, top_k=3)).best
+    reference = brute_force(job, space)
+    assert found is not None and reference is not None
+    assert found.sort_key() == reference.sort_key()
+    again = simulate(job, found.to_plan(job))
+    assert again.iteration_seconds == pytest.approx(found.iteration_seconds)
