@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "cpu-2core"
 ROLES = ("actor", "ref", "reward")
 FIT = ("kernel_launch_seconds", "decode_step_seconds", "iteration_seconds",
-       "fsdp_unit_seconds", "train_compute", "infer_compute", "prefill_compute", "decode",
-       "collective")
+       "fsdp_unit_seconds", "operation_seconds", "shared_host_slowdown", "train_compute",
+       "infer_compute",
+       "prefill_compute", "decode", "collective")
 """Parameters fitted by default (the controller's call cost is measured, not fitted)."""
 
 

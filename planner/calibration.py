@@ -244,7 +244,12 @@ def _correction(name: str) -> Parameter:
 PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
     _overhead("kernel_launch_seconds", 1e-5), _overhead("decode_step_seconds", 1e-3),
     _overhead("iteration_seconds", 1e-3), _overhead("fsdp_unit_seconds", 1e-4),
-    _overhead("call_seconds", 1e-3),
+    _overhead("call_seconds", 1e-3), _overhead("operation_seconds", 1e-3),
+    Parameter(name="shared_host_slowdown",
+              get=lambda p: p.overheads.shared_host_slowdown,
+              set=lambda p, v: replace(p, overheads=replace(p.overheads,
+                                                            shared_host_slowdown=v)),
+              lower=1.0, upper=4.0, initial=1.2),
     _correction("train_compute"), _correction("infer_compute"),
     _correction("prefill_compute"), _correction("decode"), _correction("collective"),
 )}

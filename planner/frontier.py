@@ -31,9 +31,10 @@ from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.transition import transition
 from simulator.plan import RolePlan
 from simulator.predict import (
-    engine_cycle_seconds,
     extra_generation_weights,
+    generation_fixed_seconds,
     generation_lengths,
+    host_slowdown,
     model_node,
     node_sequences,
     offload_state,
@@ -285,7 +286,8 @@ def _generation_table(job: JobSpec, node: Node, plan: RolePlan, gpus: int,
 
 
 def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
-                        lengths: tuple[int, ...], table: _GenerationTable, cap: int) -> float:
+                        lengths: tuple[int, ...], table: _GenerationTable, cap: int,
+                        gpus: int) -> float:
     if cap not in table.seconds_by_cap:
         work = job.workload
         model = job.model(node.role)
@@ -298,7 +300,8 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
         seconds += prefill_seconds(model, profile, gen, sequences=len(lengths),
                                    prompt_len=work.prompt_length, dtype=work.dtype,
                                    gpus_per_node=gpn)
-        seconds += engine_cycle_seconds(job, model, gen)
+        seconds += generation_fixed_seconds(job, model, gen)
+        seconds *= host_slowdown(job, gpus)
         table.seconds_by_cap[cap] = seconds
         table.peak_kv_bytes_by_cap[cap] = peak_tokens * table.kv_bytes_per_token
     return table.seconds_by_cap[cap]
@@ -385,7 +388,8 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                                1, min(gen.max_num_seqs, table.sequences)).astype(int)
                 # Same rule as simulator.costs.generation.running_cap, vectorised.
                 for cap in np.unique(caps[ok]):
-                    seconds = _generation_seconds(job, node, gen, lengths, table, int(cap))
+                    seconds = _generation_seconds(job, node, gen, lengths, table, int(cap),
+                                                  gpus)
                     hit = ok & (caps == cap)
                     contributions[hit, group_of[node.name]] += seconds
                     peak = extra + table.peak_kv_bytes_by_cap[int(cap)] + table.workspace_bytes

@@ -39,7 +39,7 @@ from simulator.predict import (
     CONTROLLER_LOCATION,
     controller_node,
     edge_seconds,
-    engine_cycle_seconds,
+    generation_fixed_seconds,
     generation_lengths,
     node_sequences,
 )
@@ -463,7 +463,7 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
     return seconds + prefill_seconds(model, profile, gen, sequences=len(lengths),
                                      prompt_len=work.prompt_length, dtype=work.dtype,
                                      gpus_per_node=job.cluster.gpus_per_node) \
-        + engine_cycle_seconds(job, model, gen)
+        + generation_fixed_seconds(job, model, gen)
 
 
 def _push(top: list, candidate: Candidate, k: int) -> None:

@@ -145,11 +145,21 @@ class Overheads:
     call_seconds: float = 0.0
     """Per dataflow edge: the single controller collecting a result and dispatching the next
     call (0 in the GPU profiles, where it is negligible next to the stages)."""
+    operation_seconds: float = 0.0
+    """Per model operation (one generate, infer or train call) inside the worker, beyond its
+    kernels: moving the batch, preparing inputs, gathering outputs on the host (0 in the GPU
+    profiles: not measured there; fitted on CPU runs)."""
+
+    shared_host_slowdown: float = 1.0
+    """CPU profiles: how much slower every operation of a set of more than one worker process
+    runs, because the processes share the machine's cores with each other, the controller and
+    Ray's daemons (1 in the GPU profiles, whose hosts have cores to spare; fitted on CPU runs)."""
 
     def __post_init__(self) -> None:
         for name in ("kernel_launch_seconds", "decode_step_seconds", "iteration_seconds",
-                     "fsdp_unit_seconds", "call_seconds"):
+                     "fsdp_unit_seconds", "call_seconds", "operation_seconds"):
             require(getattr(self, name) >= 0, "must be >= 0", name)
+        require(self.shared_host_slowdown >= 1, "must be >= 1", "shared_host_slowdown")
 
 
 CORRECTION_KEYS = (

@@ -179,13 +179,15 @@ def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: floa
     return min(engine, device)
 
 
-def engine_cycle_seconds(job: JobSpec, model: ModelSpec, gen: GenerationConfig) -> float:
-    """Per generation: the rollout engine's sleep and wake when the framework frees the KV
-    cache between iterations, with the copy of its weights to host and back at sleep level 1."""
+def generation_fixed_seconds(job: JobSpec, model: ModelSpec, gen: GenerationConfig) -> float:
+    """Per generation call: the host's fixed work per operation, and the rollout engine's sleep
+    and wake when the framework frees the KV cache between iterations, with the copy of its
+    weights to host and back at sleep level 1."""
     rollout = job.framework_profile.rollout
+    seconds = job.cluster.profile().overheads.operation_seconds
     if not rollout.free_kv_cache:
-        return 0.0
-    seconds = rollout.sleep_seconds + rollout.wake_seconds
+        return seconds
+    seconds += rollout.sleep_seconds + rollout.wake_seconds
     weights = generation_weight_bytes(model, gen, job.workload.dtype)
     if rollout.weight_backup_bytes_per_s > 0:
         seconds += weights / rollout.weight_backup_bytes_per_s
@@ -206,6 +208,15 @@ def controller_node(job: JobSpec, node: Node) -> NodeEstimate:
     return NodeEstimate(name=node.name, role=node.role, operation=node.operation,
                         location=CONTROLLER_LOCATION, seconds=seconds,
                         sequences=sequences, tokens=sequences * work.mean_sequence_tokens())
+
+
+def host_slowdown(job: JobSpec, set_gpus: int) -> float:
+    """Factor on the operations of a set of ``set_gpus`` worker processes: CPU profiles run
+    processes of a multi-process set on shared cores (``shared_host_slowdown``)."""
+    profile = job.cluster.profile()
+    if profile.kind != "cpu" or set_gpus <= 1:
+        return 1.0
+    return profile.overheads.shared_host_slowdown
 
 
 def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
@@ -252,16 +263,18 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                         kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
                         cuda_graphs=job.framework_profile.rollout.cuda_graphs)
-        cycle = engine_cycle_seconds(job, model, gen)
+        cycle = generation_fixed_seconds(job, model, gen)
+        slowdown = host_slowdown(job, par.world_size)
         return NodeEstimate(
             name=node.name, role=role, operation="generate", location=location,
-            seconds=cost.seconds + cycle + set_offload_seconds, sequences=sequences,
+            seconds=(cost.seconds + cycle) * slowdown + set_offload_seconds,
+            sequences=sequences,
             tokens=tokens,
             transient=MemoryBreakdown(params=extra_weights, kv_cache=cost.memory.kv_cache,
                                       activations=cost.memory.activations),
             detail={"prefill_seconds": cost.prefill_seconds,
                     "decode_seconds": cost.decode_seconds,
-                    "engine_sleep_wake_seconds": cycle,
+                    "fixed_seconds": cycle,
                     "offload_seconds": set_offload_seconds,
                     "decode_steps": float(cost.decode_steps),
                     "max_running": float(cost.max_running),
@@ -279,10 +292,12 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                 model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
                 micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
                 gpus_per_node=gpn).activations_bytes
-        fixed = job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
+        fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
+                 + profile.overheads.operation_seconds)
         return NodeEstimate(
             name=node.name, role=role, operation="infer", location=location,
-            seconds=cost.seconds + fixed, sequences=sequences, tokens=tokens,
+            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size),
+            sequences=sequences, tokens=tokens,
             transient=MemoryBreakdown(activations=activations),
             detail={"micro_batches": float(cost.micro_batches)})
     steps = work.ppo_epochs * work.mini_batches_per_epoch
@@ -304,7 +319,9 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     detail["seconds_per_step"] = step_seconds
     return NodeEstimate(
         name=node.name, role=role, operation="train", location=location,
-        seconds=steps * step_seconds, sequences=sequences * work.ppo_epochs,
+        seconds=(steps * step_seconds + profile.overheads.operation_seconds)
+        * host_slowdown(job, par.world_size),
+        sequences=sequences * work.ppo_epochs,
         tokens=tokens * work.ppo_epochs,
         transient=MemoryBreakdown(grads=freed_grads, activations=activations), detail=detail)
 

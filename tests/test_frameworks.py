@@ -66,12 +66,12 @@ def test_engine_sleep_and_wake_are_charged_per_generation() -> None:
     job = default_job()
     plan = colocate_plan(job)
     verl = estimate_plan(job, plan).nodes["actor.generate"]
-    assert verl.detail["engine_sleep_wake_seconds"] == pytest.approx(0.31 + 0.85)
+    assert verl.detail["fixed_seconds"] == pytest.approx(0.31 + 0.85)
     nemo_job = on(job, "nemo-rl")
     gen = plan.roles["actor"].generation
     weights = generation_weight_bytes(job.model("actor"), gen, "bf16")
     nemo = estimate_plan(nemo_job, plan).nodes["actor.generate"]
-    assert nemo.detail["engine_sleep_wake_seconds"] == pytest.approx(
+    assert nemo.detail["fixed_seconds"] == pytest.approx(
         weights / 2.23e9 + weights / 1.08e10)
 
 

@@ -39,8 +39,10 @@ class TransitionCost:
     """GPUs in each all-gather group."""
 
 
-def weight_tensors(model: ModelSpec) -> dict[int, int]:
-    """The model's weight tensors by size: {elements: how many tensors}."""
+def weight_tensors(model: ModelSpec, *, replicated: bool = True) -> dict[int, int]:
+    """The model's weight tensors by size: {elements: how many tensors}; without
+    ``replicated`` only those tensor parallelism splits (norm weights are whole on every
+    tensor-parallel rank)."""
     sizes: dict[int, int] = {}
 
     def add(elements: int, count: int) -> None:
@@ -50,7 +52,8 @@ def weight_tensors(model: ModelSpec) -> dict[int, int]:
     add(h * q, 2 * model.layers)          # q and o projections
     add(h * kv, 2 * model.layers)         # k and v projections
     add(h * ffn, (3 if model.mlp == "swiglu" else 2) * model.layers)
-    add(h, 2 * model.layers + 1)          # norms
+    if replicated:
+        add(h, 2 * model.layers + 1)      # norms
     add(model.embedding_params, 1)
     if model.lm_head_params:
         add(model.lm_head_params, 1)
@@ -124,9 +127,14 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         # One all-gather per weight tensor (engines gather tensor by tensor), each moving its
         # share of the volume: gathering V over a group of n outputs V / ((n-1)/n) bytes.
         fraction = volume / weights
+        # Tensors tensor parallelism leaves whole (norms) are already complete on every rank
+        # unless FSDP or merged pipeline stages split them too.
+        pipeline_merged = train.pp != (gen.pp if scheme == "micro_dp" else 1)
+        whole_everywhere = train.sharding != "fsdp" and not pipeline_merged
+        tensors = weight_tensors(model, replicated=not whole_everywhere)
         seconds = sum(count * all_gather_seconds(
             profile, elements * DTYPE_BYTES[dtype] * fraction * group / (group - 1), group,
-            span=span) for elements, count in weight_tensors(model).items())
+            span=span) for elements, count in tensors.items())
     return TransitionCost(scheme=scheme, seconds=seconds, bytes_received_per_gpu=volume,
                           peak_param_bytes_per_gpu=peak, redundant_bytes_per_gpu=redundant,
                           group_size=group)
