@@ -12,7 +12,6 @@ from typing import Any
 
 from executor.algorithms import RLConfig
 from executor.hybrid_engine import TransitionMode
-from executor.probe import host_probe_seconds
 from executor.task import SortDigits
 from profiles.datafile import SpecError, to_mapping
 from simulator.plan import Plan
@@ -231,7 +230,6 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
         driver = DRIVERS[job.algorithm]
         rows: list[dict[str, Any]] = []
         metrics: list[dict[str, Any]] = []
-        probes = [host_probe_seconds()]
         origin = time.time()
         for iteration in range(options.steps):
             records.clear()
@@ -253,7 +251,6 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             say(f"iteration {iteration}: {end - start:.2f} s, score {summary['rule_score']:.3f}"
                 f", solved {summary['solved']:.2f}{constraint}")
         seconds = time.time() - started_at
-        probes.append(host_probe_seconds())
         if options.out is not None:
             meta = {"plan": plan.to_value(), "job": job.to_value(),
                     "options": {"steps": options.steps, "seed": options.seed,
@@ -264,8 +261,6 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
-                    # The host's speed when the run started and ended (executor/probe.py).
-                    "host_probe_seconds": sum(probes) / len(probes),
                     "ray_address": options.address or (
                         "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
             write_run(options.out, rows, metrics, meta, plan)

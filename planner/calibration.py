@@ -53,8 +53,6 @@ class Run:
     """iteration -> {response length: count}."""
     greedy_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     """iteration -> {greedy response length: count} (ReMax)."""
-    host_probe_seconds: float | None = None
-    """The host's speed probe when the run ran (meta.json; None for older runs)."""
 
     @property
     def label(self) -> str:
@@ -141,14 +139,8 @@ def load_run(directory: str | Path) -> Run:
             except (json.JSONDecodeError, AttributeError, ValueError):
                 raise SpecError(f"line {line}: {column}: not a JSON mapping of length -> "
                                 "count", source=str(path / "metrics.csv")) from None
-    probe = meta.get("host_probe_seconds")
-    if probe is not None and not (isinstance(probe, (int, float)) and math.isfinite(probe)
-                                  and probe > 0):
-        raise SpecError("must be a positive number", key="host_probe_seconds",
-                        source=str(meta_path))
     return Run(path=path, plan=plan, job=job, prompt_length=prompt_length,
-               measurements=measurements, length_counts=counts, greedy_counts=greedy,
-               host_probe_seconds=float(probe) if probe is not None else None)
+               measurements=measurements, length_counts=counts, greedy_counts=greedy)
 
 
 def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> JobSpec:
@@ -190,26 +182,15 @@ def _measured_stages(run: Run, iteration: int) -> dict[str, float]:
     return stages
 
 
-def host_speed_factor(run: Run, profile: DeviceProfile) -> float:
-    """How much slower (> 1) or faster the host ran during ``run`` than during the runs
-    ``profile`` was fitted on, by the speed probe both recorded (1 when either lacks it)."""
-    reference = profile.provenance.host_probe_seconds
-    if run.host_probe_seconds is None or not reference:
-        return 1.0
-    return run.host_probe_seconds / reference
-
-
 def predicted_stages(run: Run, iteration: int, profile: DeviceProfile) -> dict[str, float]:
-    """The simulator's seconds for every stage of one iteration, and for the iteration, at
-    the host speed of the run."""
+    """The simulator's seconds for every stage of one iteration, and for the iteration."""
     job = iteration_job(run, iteration, profile)
     estimate = estimate_plan(job, run.plan)
     predicted = {name: n.seconds for name, n in estimate.nodes.items()}
     if estimate.transition is not None:
         predicted["actor.transition"] = estimate.transition.seconds
     predicted["iteration"] = iteration_seconds(job, estimate)
-    factor = host_speed_factor(run, profile)
-    return {name: seconds * factor for name, seconds in predicted.items()}
+    return predicted
 
 
 def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str, Any]]:
@@ -337,11 +318,6 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
 
     if not runs:
         raise SpecError("give at least one run directory", key="runs")
-    probes = [r.host_probe_seconds for r in runs if r.host_probe_seconds is not None]
-    if probes:
-        # The fitted profile describes the host at the fitted runs' median speed.
-        base = replace(base, provenance=replace(base.provenance,
-                                                host_probe_seconds=float(np.median(probes))))
     chosen = list(fit) if fit else [k for k in PARAMETERS if k != "call_seconds"]
     if "call_seconds" not in chosen:
         # Measured, not fitted: the controller's dispatch + collect of calls that did not
@@ -420,7 +396,6 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
         residual_before=before, residual_after=after, accuracy=accuracy_record,
         parameters_at_bounds=tuple(f"{k}={v}" for k, v in at_bounds.items()),
         commit=git_commit(), code_fingerprint=code_fingerprint(),
-        host_probe_seconds=base.provenance.host_probe_seconds,
         notes=f"fitted {', '.join(f'{k}={v:.4g}' for k, v in values.items())}"
               f"{bounds_note}; base provenance: {base.provenance.source}")
     fitted = replace(fitted, name=name or f"{base.name}-calibrated", provenance=provenance)

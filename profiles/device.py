@@ -194,9 +194,6 @@ class Provenance:
     """Fitted parameters that ended at a bound of their allowed range (``name=lower`` or
     ``name=upper``): the fit wanted to go further, so a mechanism is missing or the parameter
     does not matter for these runs."""
-    host_probe_seconds: float | None = None
-    """The host speed probe (executor/probe.py) of the runs the fit was made on, median: runs
-    made while the machine was slower or faster are predicted in proportion."""
     commit: str | None = None
     """Git commit of the code the fit ran on ('+dirty' when the checkout had changes)."""
     code_fingerprint: str | None = None

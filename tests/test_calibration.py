@@ -226,19 +226,3 @@ def test_stale_calibrations_are_reported() -> None:
     assert "commit abc123" in warning and "has changed since" in warning
     assert "without a record of the code" in stale_calibration(fitted(None))
 
-
-
-def test_runs_on_a_slower_host_are_predicted_slower_in_proportion() -> None:
-    from planner.calibration import host_speed_factor
-    from profiles.device import Provenance
-
-    base = load_profile("cpu-2core")
-    run = _synthetic_run(PLANS[0], base, noise=0.0, seed=0, index=0)
-    fitted = replace(base, provenance=Provenance(host_probe_seconds=0.010))
-    assert host_speed_factor(run, fitted) == 1.0  # the run has no probe
-    slow = replace(run, host_probe_seconds=0.015)
-    assert host_speed_factor(slow, fitted) == pytest.approx(1.5)
-    assert host_speed_factor(slow, base) == 1.0  # the profile has no reference
-    plain = predicted_stages(run, 0, fitted)
-    scaled = predicted_stages(slow, 0, fitted)
-    assert all(scaled[k] == pytest.approx(1.5 * plain[k]) for k in plain)
