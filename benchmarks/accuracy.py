@@ -34,7 +34,7 @@ PROFILE = "cpu-2core"
 ROLES = ("actor", "ref", "reward")
 FIT = ("kernel_launch_seconds", "iteration_seconds", "fsdp_unit_seconds",
        "shared_host_slowdown", "train_compute", "infer_compute", "prefill_compute", "decode",
-       "collective")
+       "collective", "train_collective")
 """Parameters fitted by default (the controller's call cost is measured, not fitted). The
 fixed per-decode-step and per-operation costs are left at 0: fitted, they end at their lower
 bounds (the per-kernel cost already explains what they would), and a parameter the runs do
@@ -65,8 +65,9 @@ def plan(sets: list[tuple[tuple[str, ...], int]],
 
 def grid() -> dict[str, tuple[Plan, str]]:
     """Plan name -> (plan, 'fit' or 'held-out'). The fitted runs vary the micro-batch,
-    sharding and tensor parallelism so that per-step, per-micro-batch and communication
-    costs can be told apart; the held-out runs combine them differently."""
+    sharding, data and tensor parallelism and the generation's tensor parallelism so that
+    per-step, per-micro-batch and communication costs can be told apart and every mechanism
+    the held-out runs use is seen in the fit; the held-out runs combine them differently."""
     def same(tp: int, dp: int, sharding: str, micro: int) -> dict:
         return {r: (tp, dp, sharding, micro) for r in ROLES}
 
@@ -79,6 +80,9 @@ def grid() -> dict[str, tuple[Plan, str]]:
         "colocate-2gpu-tp2": (plan([(ROLES, 2)], same(2, 1, "none", 16)), "fit"),
         "split-1+1": (plan([(("actor", "ref"), 1), (("reward",), 1)],
                            same(1, 1, "none", 16)), "fit"),
+        "colocate-2gpu-ddp-mb16": (plan([(ROLES, 2)], same(1, 2, "none", 16)), "fit"),
+        "colocate-2gpu-tp2-gen2-mb4": (plan([(ROLES, 2)], same(2, 1, "none", 4), gen_tp=2),
+                                       "fit"),
         "standalone-1+1+1": (plan([((r,), 1) for r in ROLES], same(1, 1, "none", 16)),
                              "held-out"),
         "colocate-1gpu-mb8": (plan([(ROLES, 1)], same(1, 1, "none", 8)), "held-out"),

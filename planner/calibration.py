@@ -252,6 +252,7 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
               lower=1.0, upper=4.0, initial=1.2),
     _correction("train_compute"), _correction("infer_compute"),
     _correction("prefill_compute"), _correction("decode"), _correction("collective"),
+    _correction("train_collective"),
 )}
 """Every parameter ``calibrate`` can fit (``--fit`` chooses a subset)."""
 

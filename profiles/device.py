@@ -168,6 +168,7 @@ CORRECTION_KEYS = (
     "prefill_compute",
     "decode",
     "collective",
+    "train_collective",
     "transfer",
 )
 """Names of the multiplicative corrections a calibration may fit (1.0 = no correction)."""

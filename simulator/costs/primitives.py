@@ -123,8 +123,10 @@ def _inter_seconds(profile: DeviceProfile, wire_bytes: float, message_bytes: flo
 
 
 def all_reduce_seconds(profile: DeviceProfile, message_bytes: float, group: int,
-                       crosses_nodes: bool = False, *, span: Span | None = None) -> float:
-    """All-reduce of a ``message_bytes`` tensor over ``group`` devices. Within a node a ring:
+                       crosses_nodes: bool = False, *, span: Span | None = None,
+                       correction: str = "collective") -> float:
+    """All-reduce of a ``message_bytes`` tensor over ``group`` devices (``correction``: the
+    profile's fitted factor for this kind of collective). Within a node a ring:
     each device sends and receives 2 (n-1)/n of it. Across nodes (``span``; or
     ``crosses_nodes`` for one rank per node) hierarchical: reduce-scatter and all-gather inside
     each node, and a ring all-reduce of each 1/k shard between the nodes."""
@@ -133,17 +135,18 @@ def all_reduce_seconds(profile: DeviceProfile, message_bytes: float, group: int,
     span = _resolve(span, crosses_nodes, group)
     if not span.crosses_nodes:
         wire = 2.0 * (group - 1) / group * message_bytes
-        return _intra_seconds(profile, wire, message_bytes) * profile.correction("collective")
+        return _intra_seconds(profile, wire, message_bytes) * profile.correction(correction)
     k, n = span.ranks_per_node, span.nodes
     intra = _intra_seconds(profile, 2.0 * (k - 1) / k * message_bytes, message_bytes) \
         if k > 1 else 0.0
     shard = message_bytes / k
     inter = _inter_seconds(profile, 2.0 * (n - 1) / n * shard, shard, 2 * (n - 1), span)
-    return (intra + inter) * profile.correction("collective")
+    return (intra + inter) * profile.correction(correction)
 
 
 def all_gather_seconds(profile: DeviceProfile, output_bytes: float, group: int,
-                       crosses_nodes: bool = False, *, span: Span | None = None) -> float:
+                       crosses_nodes: bool = False, *, span: Span | None = None,
+                       correction: str = "collective") -> float:
     """All-gather producing ``output_bytes`` on each device: each receives (n-1)/n of it.
     Across nodes: an all-gather between nodes of each local rank's 1/k share, then one
     inside each node."""
@@ -152,19 +155,21 @@ def all_gather_seconds(profile: DeviceProfile, output_bytes: float, group: int,
     span = _resolve(span, crosses_nodes, group)
     if not span.crosses_nodes:
         wire = (group - 1) / group * output_bytes
-        return _intra_seconds(profile, wire, output_bytes) * profile.correction("collective")
+        return _intra_seconds(profile, wire, output_bytes) * profile.correction(correction)
     k, n = span.ranks_per_node, span.nodes
     shard = output_bytes / k
     inter = _inter_seconds(profile, (n - 1) / n * shard, shard, n - 1, span)
     intra = _intra_seconds(profile, (k - 1) / k * output_bytes, output_bytes) if k > 1 else 0.0
-    return (intra + inter) * profile.correction("collective")
+    return (intra + inter) * profile.correction(correction)
 
 
 def reduce_scatter_seconds(profile: DeviceProfile, input_bytes: float, group: int,
-                           crosses_nodes: bool = False, *, span: Span | None = None) -> float:
+                           crosses_nodes: bool = False, *, span: Span | None = None,
+                           correction: str = "collective") -> float:
     """Reduce-scatter of an ``input_bytes`` tensor: each device sends (n-1)/n of it (the mirror
     image of an all-gather, same wire bytes)."""
-    return all_gather_seconds(profile, input_bytes, group, crosses_nodes, span=span)
+    return all_gather_seconds(profile, input_bytes, group, crosses_nodes, span=span,
+                              correction=correction)
 
 
 def _resolve(span: Span | None, crosses_nodes: bool, group: int) -> Span:

@@ -31,6 +31,11 @@ from simulator.costs.transformer import (
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig
 
+TRAIN = "train_collective"
+"""Correction key of the collectives inside a training step (gradient reduction, FSDP
+gathers, tensor-parallel collectives under autograd): on a CPU they cost more than the bare
+collectives the profiler measures (autograd and DTensor around them, ranks waiting for each
+other); 1 on GPU profiles."""
 MAIN_GRAD_BYTES = 4
 """Megatron accumulates and reduces gradients in fp32 when training in bf16
 (Megatron-LM arguments.py: bf16 implies accumulate_allreduce_grads_in_fp32)."""
@@ -119,9 +124,10 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
 
     # Per micro-batch, per stage: the transformer blocks of the stage.
     recompute_extra = {"none": 0.0, "selective": layer.attention_core_seconds * compute_scale,
-                       "full": forward + layer.tp_forward_seconds}[par.recompute]
+                       "full": forward + layer.tp_training_forward_seconds}[par.recompute]
     body_compute = layers_per_stage * (forward + backward + recompute_extra)
-    body_tp = layers_per_stage * (layer.tp_forward_seconds + layer.tp_backward_seconds)
+    body_tp = layers_per_stage * (layer.tp_training_forward_seconds
+                                  + layer.tp_backward_seconds)
 
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \
@@ -136,12 +142,14 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     if par.sharding == "fsdp" and par.dp > 1:
         dp_span = data_parallel_span(par, gpus_per_node)
         layer_weights = model.params_per_layer / par.tp * b
-        gather = all_gather_seconds(profile, layer_weights, par.dp, span=dp_span)
+        gather = all_gather_seconds(profile, layer_weights, par.dp, span=dp_span,
+                                    correction=TRAIN)
         scatter = reduce_scatter_seconds(profile, model.params_per_layer / par.tp
-                                         * MAIN_GRAD_BYTES, par.dp, span=dp_span)
+                                         * MAIN_GRAD_BYTES, par.dp, span=dp_span,
+                                         correction=TRAIN)
         fwd_comm = gather
         bwd_comm = gather + scatter
-        fwd_compute = forward + layer.tp_forward_seconds
+        fwd_compute = forward + layer.tp_training_forward_seconds
         bwd_compute = backward + layer.tp_backward_seconds + recompute_extra
         # On a CPU the collectives run on the cores that compute: nothing overlaps.
         if par.overlap_param_gather and profile.kind == "gpu":
@@ -186,10 +194,13 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         dp_span = data_parallel_span(par, gpus_per_node)
         grad_bytes = local_params * MAIN_GRAD_BYTES
         if par.sharding == "optimizer":
-            dp_comm = (reduce_scatter_seconds(profile, grad_bytes, par.dp, span=dp_span)
-                       + all_gather_seconds(profile, local_params * b, par.dp, span=dp_span))
+            dp_comm = (reduce_scatter_seconds(profile, grad_bytes, par.dp, span=dp_span,
+                                              correction=TRAIN)
+                       + all_gather_seconds(profile, local_params * b, par.dp, span=dp_span,
+                                            correction=TRAIN))
         else:
-            dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, span=dp_span)
+            dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, span=dp_span,
+                                         correction=TRAIN)
         if par.overlap_grad_reduce and profile.kind == "gpu":
             window = layers_per_stage * (backward + recompute_extra)
             dp_comm = max(0.0, dp_comm - window)

@@ -46,6 +46,8 @@ class LayerCost:
     """Tensor-parallel communication in the forward pass (not overlapped)."""
     tp_backward_seconds: float
     """Tensor-parallel communication in the backward pass (not overlapped)."""
+    tp_training_forward_seconds: float
+    """The forward's tensor-parallel communication inside a training step."""
     activation_bytes: float
     """Activations this layer keeps for the backward pass, given the recompute mode."""
     input_bytes: float
@@ -121,14 +123,24 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
 
     # --- tensor-parallel communication: 2 per direction (after attention and after MLP) ---
     full_bytes = tokens * h * b
-    if tp <= 1:
-        tp_fwd = tp_bwd = 0.0
-    elif sp:
-        one = (all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes)
-               + reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes))
-        tp_fwd = tp_bwd = 2 * one
-    else:
-        tp_fwd = tp_bwd = 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes)
+
+    def tp_comm(correction: str) -> float:
+        if sp:
+            return 2 * (all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                           correction=correction)
+                        + reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                                 correction=correction))
+        return 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                      correction=correction)
+
+    # The training engine's collectives (forward and backward, under autograd and DTensor)
+    # carry the ``train_collective`` correction; forward-only passes (inference, prefill)
+    # issue them as plain collectives (``collective``).
+    tp_fwd = tp_fwd_training = tp_bwd = 0.0
+    if tp > 1:
+        tp_fwd = tp_comm("collective")
+        tp_fwd_training = tp_comm("train_collective")
+        tp_bwd = tp_fwd_training
 
     # --- saved activations (bytes) ---
     input_bytes = tokens * h * b / sp_div
@@ -157,6 +169,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         attention_core_seconds=core_fwd,
         tp_forward_seconds=tp_fwd,
         tp_backward_seconds=tp_bwd,
+        tp_training_forward_seconds=tp_fwd_training,
         activation_bytes=activations,
         input_bytes=input_bytes,
         forward_flops=gemm_flops + core_flops,
