@@ -28,7 +28,9 @@ from executor.generation import GenerationEngine, tp_shard_dim
 from executor.trainer import Trainer
 from simulator.specs.parallel import GenerationConfig
 
-TransitionMode = Literal["micro_dp", "naive"]
+TransitionMode = Literal["micro_dp", "naive", "full"]
+"""micro_dp: the 3D-HybridEngine; naive: gather whole weights, keep this rank's generation
+shard; full: whole weights to an engine that shards them itself (vLLM)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class HybridEngine:
     """The actor's generation side, fed from its trainer's shards."""
 
     def __init__(self, trainer: Trainer, generation: GenerationConfig,
-                 mode: TransitionMode = "micro_dp"):
+                 mode: TransitionMode = "micro_dp", backend: str = "native", seed: int = 0):
         par = trainer.par
         if par.tp % generation.tp:
             raise ValueError(f"generation tp {generation.tp} must divide training tp {par.tp}")
@@ -67,8 +69,19 @@ class HybridEngine:
         self.micro_dp_rank = self.mesh.get_local_rank("micro_dp")
         self.micro_dp_group = self.mesh.get_group("micro_dp")
         self.replica = self.mesh.get_local_rank("dp") * self.micro_dp + self.micro_dp_rank
-        self.engine = GenerationEngine(trainer.spec, tp_group=self.mesh.get_group("gen_tp"),
-                                       tp_size=generation.tp, tp_rank=self.gen_tp_rank)
+        self.backend = backend
+        if backend == "vllm":
+            from executor.backends.vllm import VLLMEngine
+
+            # vLLM holds its own copy of the weights and cuts its own tensor-parallel shards
+            # from whole tensors: the transition gathers every tensor whole.
+            self.mode = "full"
+            self.engine = VLLMEngine(trainer.spec, tp_size=generation.tp, seed=seed,
+                                     dtype=torch.float32)  # the trainer computes in fp32
+        else:
+            self.engine = GenerationEngine(trainer.spec,
+                                           tp_group=self.mesh.get_group("gen_tp"),
+                                           tp_size=generation.tp, tp_rank=self.gen_tp_rank)
         self._aliased: list[torch.Tensor] = []
 
     # ----- transitions -----
@@ -81,7 +94,10 @@ class HybridEngine:
         for name, param in self.trainer.model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param.detach()
             training_bytes += _bytes(local)
-            if self.mode == "naive":
+            if self.mode == "full":
+                shard = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+                got = _bytes(shard) - _bytes(local)
+            elif self.mode == "naive":
                 shard, got = self._naive(name, param, local)
             else:
                 shard, got = self._micro_dp(name, param, local)
@@ -132,6 +148,11 @@ class HybridEngine:
         return shard, received
 
     def _distinct_parameter_bytes(self) -> int:
+        if self.backend == "vllm":
+            # vLLM's copy lives in its own buffers beside the training shards.
+            training = sum(_bytes(p.to_local() if isinstance(p, DTensor) else p)
+                           for p in self.trainer.model.parameters())
+            return training + self.engine.weight_bytes()
         seen: dict[int, int] = {}
         tensors = list(self.engine.weights.values())
         for param in self.trainer.model.parameters():

@@ -43,6 +43,8 @@ class RoleConfig:
     """Sequences per forward in inference (the workload's infer_micro_batch_size)."""
     transition: TransitionMode = "micro_dp"
     checkpoint: str | None = None
+    generation_backend: str = "native"
+    """Actor only: native (this project's sampler) or vllm."""
 
 
 class Role:
@@ -93,7 +95,8 @@ class ActorRole(Role):
     def __init__(self, config: RoleConfig):
         super().__init__(config)
         assert config.generation is not None and config.sampling is not None
-        self.hybrid = HybridEngine(self.trainer, config.generation, config.transition)
+        self.hybrid = HybridEngine(self.trainer, config.generation, config.transition,
+                                   backend=config.generation_backend, seed=config.seed)
 
     @protocol(Protocol.MICRO_DP)
     def generate(self, batch: Batch) -> Batch:

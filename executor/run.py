@@ -68,7 +68,8 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
         spec = job.model(role)
         chosen = job.backends.get(role)
         if chosen is not None:
-            check_available(role, chosen.training, chosen.generation)
+            check_available(role, chosen.training, chosen.generation, spec=spec,
+                            parallel=rp.parallel, generation_config=rp.generation)
         check_layout(spec, rp.parallel, key=f"roles.{role}.parallel", generation=rp.generation)
         if rp.generation is not None and rp.parallel.tp % rp.generation.tp:
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "
@@ -122,7 +123,9 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
             algorithm=job.algorithm, generation=rp.generation, optim=OptimConfig(lr=lr),
             rl=rl, sampling=sampling, ppo_epochs=work.ppo_epochs,
             mini_batches=work.mini_batches_per_epoch,
-            infer_micro_batch=work.infer_micro_batch_size, transition=options.transition)
+            infer_micro_batch=work.infer_micro_batch_size, transition=options.transition,
+            generation_backend=job.backends[role].generation if role in job.backends
+            else "native")
     # The reference starts as a copy of the actor: same seed, same model.
     if "ref" in configs and "actor" in configs and \
             job.model("ref") == job.model("actor"):

@@ -220,16 +220,19 @@ def test_plan_json_written_by_planner_is_read_by_executor_validation(tmp_path: P
         validate_for_execution(job, plan_from_mapping(plan), options)
 
 
-def test_backends_are_chosen_per_role_and_unavailable_ones_rejected() -> None:
+def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import executor.backends as backends
     from executor.backends import GENERATION_BACKENDS, TRAINING_BACKENDS, GenerationBackend
+    from executor.generation import GenerationEngine
     from executor.run import ExecutionOptions, validate_for_execution
     from simulator.plan import ColocatedSet, Plan, RolePlan
     from simulator.specs.job import job_from_mapping
     from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
     assert isinstance(GenerationBackend, type)
-    assert issubclass(GENERATION_BACKENDS["native"], GenerationBackend)
-    assert "torch" in TRAINING_BACKENDS
+    assert issubclass(GenerationEngine, GenerationBackend)
+    assert "torch" in TRAINING_BACKENDS and {"native", "vllm"} <= set(GENERATION_BACKENDS)
     base = {"algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l",
                                             "reward": "rule"},
             "cluster": {"nodes": 1, "gpus_per_node": 1},
@@ -240,13 +243,23 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected() -> None:
                                          generation=GenerationConfig()),
                        "ref": RolePlan(parallel=ParallelConfig())})
     job = job_from_mapping({**base, "backends": {"actor": {"generation": "vllm"}}})
-    with pytest.raises(SpecError, match=r"backends\.actor\.generation: vLLM generation is "
-                                        r"not available"):
+    monkeypatch.setattr(backends, "vllm_installed", lambda: False)
+    with pytest.raises(SpecError, match=r"backends\.actor\.generation: vLLM is not installed: "
+                                        r"install it with `make engines`"):
+        validate_for_execution(job, plan, ExecutionOptions())
+    monkeypatch.setattr(backends, "vllm_installed", lambda: True)
+    # tiny-2l's heads have 16 dimensions; vLLM's CPU attention starts at 32.
+    with pytest.raises(SpecError, match=r"backends\.actor\.generation: vLLM's CPU attention "
+                                        r"supports head sizes"):
         validate_for_execution(job, plan, ExecutionOptions())
     with pytest.raises(SpecError, match=r"backends\.ref\.generation: only the actor"):
         job_from_mapping({**base, "backends": {"ref": {"generation": "vllm"}}})
     with pytest.raises(SpecError, match=r"backends\.actor\.training: must be one of"):
         job_from_mapping({**base, "backends": {"actor": {"training": "jax"}}})
+    megatron = job_from_mapping({**base, "backends": {"actor": {"training": "megatron"}}})
+    with pytest.raises(SpecError, match=r"backends\.actor\.training: Megatron-core training "
+                                        r"is not available"):
+        validate_for_execution(megatron, plan, ExecutionOptions())
     validate_for_execution(job_from_mapping({**base, "backends": {"actor": {
         "training": "torch", "generation": "native"}}}), plan, ExecutionOptions())
 

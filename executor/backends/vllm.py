@@ -83,7 +83,13 @@ class VLLMEngine:
             "enforce_eager": True,
         }
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # SPMD on the worker group's process group; vLLM reads the rank from the
+            # environment (each worker sees one device, its index 0, on GPUs).
             self.settings["distributed_executor_backend"] = "external_launcher"
+            rank = torch.distributed.get_rank()
+            os.environ.update(RANK=str(rank),
+                              WORLD_SIZE=str(torch.distributed.get_world_size()),
+                              LOCAL_RANK="0" if torch.cuda.is_available() else str(rank))
         if torch.cuda.is_available():
             self.settings["gpu_memory_utilization"] = gpu_memory_utilization
             self.settings["enable_sleep_mode"] = True
