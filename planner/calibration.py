@@ -197,6 +197,7 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str
     """Predicted and measured seconds of every stage and iteration of ``run`` (from iteration
     ``skip`` on; the first iterations pay one-off start-up costs)."""
     rows = []
+    backends = _backends(run)
     for iteration in sorted(run.length_counts):
         if iteration < skip:
             continue
@@ -207,8 +208,21 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str
             rows.append({"run": run.path.name, "placement": run.plan.placement,
                          "iteration": iteration, "node": node, "measured_seconds": measured,
                          "predicted_seconds": predicted[node],
-                         "error_pct": 100.0 * (predicted[node] - measured) / measured})
+                         "error_pct": 100.0 * (predicted[node] - measured) / measured,
+                         "backend": backends.get(node, "")})
     return rows
+
+
+def _backends(run: Run) -> dict[str, str]:
+    """node -> the backend that ran it (the ``backend`` column; runs recorded before it
+    existed ran torch training and native generation)."""
+    frame = run.measurements
+    if "backend" in frame.columns:
+        pairs = frame[["node", "backend"]].drop_duplicates("node")
+        return {str(n): str(b) for n, b in zip(pairs["node"], pairs["backend"], strict=True)}
+    return {str(n): "controller" if str(o) == "compute" or str(r) == "controller" else
+            ("native" if str(o) in ("generate", "transition") else "torch")
+            for n, o, r in zip(frame["node"], frame["operation"], frame["role"], strict=True)}
 
 
 # ----- parameters ----------------------------------------------------------------------------
@@ -481,10 +495,15 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
     plan_summary = _signed_summary([p["error_pct"] for p in per_plan])
     iteration_summary = _signed_summary([r["error_pct"] for r in iterations])
     stage_summary = _signed_summary([r["error_pct"] for r in stages])
-    per_stage = {}
+    per_stage: dict[str, dict[str, float]] = {}
+    per_backend: dict[str, dict[str, float]] = {}
     if stages:
-        for node, group in pd.DataFrame(stages).groupby("node"):
+        frame = pd.DataFrame(stages)
+        for node, group in frame.groupby("node"):
             per_stage[str(node)] = _signed_summary(group["error_pct"].tolist())
+        for backend, group in frame.groupby("backend"):
+            if backend:
+                per_backend[str(backend)] = _signed_summary(group["error_pct"].tolist())
     return {
         "profile": profile.name,
         "runs": len(runs),
@@ -495,6 +514,7 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
         **{f"iteration_{k}": v for k, v in iteration_summary.items()},
         **{f"stage_{k}": v for k, v in stage_summary.items()},
         "per_stage": per_stage,
+        "per_backend": per_backend,
         "per_run": per_plan,
         "rows": rows,
     }

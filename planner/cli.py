@@ -894,6 +894,9 @@ def accuracy(runs: tuple[str, ...], profile_name: str | None, skip: int,
     click.echo("  per stage, median |error| (bias): " + ", ".join(
         f"{node} {s['median_abs_error_pct']:.0f}% ({s['bias_pct']:+.0f}%)"
         for node, s in result["per_stage"].items()))
+    click.echo("  per backend, median |error| of its stages (bias): " + ", ".join(
+        f"{name} {s['median_abs_error_pct']:.0f}% ({s['bias_pct']:+.0f}%)"
+        for name, s in result["per_backend"].items()))
     tau = "n/a" if result["kendall_tau"] is None else f"{result['kendall_tau']:.2f}"
     click.echo(f"per plan: median |error| {result['median_abs_error_pct']:.1f}%, max "
                f"{result['max_abs_error_pct']:.1f}%, bias {result['bias_pct']:+.1f}%; ranking "

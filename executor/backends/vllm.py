@@ -50,6 +50,22 @@ def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict:
     }
 
 
+def _remove_stale_cpu_segments() -> None:
+    """vLLM 0.32's CPU backend names the shared-memory segments of its tensor-parallel groups
+    from a fixed identifier under ``external_launcher`` ("/dev/shm/-tp:0-[0-1]-cpushm_0") and a
+    worker killed at the end of a run leaves them behind, which makes the next engine fail with
+    "create shm in SHMManager failed. errno: 17". Rank 0 removes such leftovers before the
+    engines start (a second live job could not use those names beside this one anyway)."""
+    import contextlib
+    import glob
+
+    if torch.distributed.get_rank() == 0:
+        for path in glob.glob("/dev/shm/-tp:*-cpushm_*"):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    torch.distributed.barrier()
+
+
 def unsupported_reason(spec: ModelSpec) -> str | None:
     """Why this build of vLLM cannot run ``spec`` here (None when it can)."""
     if spec.mlp != "swiglu" or spec.learned_positions:
@@ -108,6 +124,9 @@ class VLLMEngine:
             import vllm._custom_ops as vllm_ops
 
             vllm_ops._supports_onednn = False
+        if not torch.cuda.is_available() and \
+                self.settings.get("distributed_executor_backend") == "external_launcher":
+            _remove_stale_cpu_segments()
 
         directory = Path(tempfile.mkdtemp(prefix="hybridflow-vllm-"))
         (directory / "config.json").write_text(json.dumps(hf_config(self.spec, self.dtype)))
