@@ -154,6 +154,10 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
                        response_length=_empirical(counts),
                        greedy_response_length=_empirical(greedy) if greedy else None,
                        dtype="fp32")
+    rule_cost = _rule_seconds_per_sample(run, iteration)
+    if rule_cost is not None:
+        # A rule's time is the user's function's, an input like the response lengths.
+        workload = replace(workload, rule_reward_seconds_per_sample=rule_cost)
     device = profile if isinstance(profile, str) else register_profile(profile)
     cluster = run.job.cluster
     group = replace(cluster.only_group(), device=device)
@@ -161,6 +165,22 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
     # was planned for.
     return replace(run.job, workload=workload, cluster=replace(cluster, node_groups=(group,)),
                    framework=EXECUTOR_FRAMEWORK)
+
+
+def _rule_seconds_per_sample(run: Run, iteration: int) -> float | None:
+    """Seconds per sample the run's rule reward or cost took in ``iteration`` (None when the
+    job has no rule role)."""
+    rules = run.job.rule_roles
+    if not rules:
+        return None
+    frame = run.measurements
+    rows = frame[(frame["iteration"] == iteration) & frame["role"].isin(rules)]
+    if rows.empty or "sequences" not in rows.columns:
+        return None
+    sequences = pd.to_numeric(rows["sequences"], errors="coerce").sum()
+    if not sequences or sequences != sequences:
+        return None
+    return float(rows["wall_seconds"].sum() / sequences)
 
 
 def _empirical(counts: dict[int, int]) -> LengthDistribution:
@@ -205,7 +225,7 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str
         for node, measured in _measured_stages(run, iteration).items():
             if node not in predicted or measured <= 0:
                 continue  # nothing ran (a transition with nothing to gather)
-            rows.append({"run": run.path.name, "placement": run.plan.placement,
+            rows.append({"run": str(run.path), "placement": run.plan.placement,
                          "iteration": iteration, "node": node, "measured_seconds": measured,
                          "predicted_seconds": predicted[node],
                          "error_pct": 100.0 * (predicted[node] - measured) / measured,
@@ -285,6 +305,10 @@ class CalibrationResult:
     """``accuracy`` of the base profile on the held-out runs (when given)."""
     held_out_after: dict[str, Any] | None = None
     """``accuracy`` of the fitted profile on the held-out runs (when given)."""
+    objective_before: float = 0.0
+    """Root mean square of the weighted log errors the fit minimises, at the base profile."""
+    objective_after: float = 0.0
+    """...and at the fitted profile (never larger: the fit starts at the base)."""
 
 
 def _apply(profile: DeviceProfile, params: Sequence[Parameter], x: np.ndarray) -> DeviceProfile:
@@ -369,6 +393,8 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
                              diff_step=1e-3, max_nfev=200)
     fitted = _apply(base, params, solution.x)
     after = _rms_relative(runs, fitted, skip)
+    objective_before = float(np.sqrt(np.mean(start ** 2)))
+    objective_after = float(np.sqrt(np.mean(residuals(solution.x) ** 2)))
     values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
     at_bounds = {}
     for param, x, low, high in zip(params, solution.x, lower, upper, strict=True):
@@ -418,7 +444,8 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
                              residual_after=after,
                              rows=sum(len(predict(r, base, skip=skip)) for r in runs),
                              runs=tuple(str(r.path) for r in runs), at_bounds=at_bounds,
-                             held_out_before=held_before, held_out_after=held_after)
+                             held_out_before=held_before, held_out_after=held_after,
+                             objective_before=objective_before, objective_after=objective_after)
 
 
 def measured_call_seconds(runs: Sequence[Run]) -> float:
@@ -432,15 +459,25 @@ def measured_call_seconds(runs: Sequence[Run]) -> float:
     return float(np.median(values)) if values else 0.0
 
 
+def run_name(run: Run) -> str:
+    """How rows and reports name a run: its directory's name, or parent/name for the usual
+    layout where every run directory is called ``run``."""
+    return run.path.name if run.path.name != "run" else f"{run.path.parent.name}/run"
+
+
 def plan_groups(runs: Sequence[Run]) -> dict[str, list[Run]]:
     """Runs grouped by the plan they ran (repeats of one plan form one group), keyed by the
-    first run's directory name, in the order the runs were given."""
+    first run's name, in the order the runs were given."""
     groups: dict[str, list[Run]] = {}
     names: dict[str, str] = {}
     for run in runs:
         identity = json.dumps(run.plan.to_value(), sort_keys=True)
-        name = names.setdefault(identity, run.path.name)
-        groups.setdefault(name, []).append(run)
+        if identity not in names:
+            name = run_name(run)
+            while name in groups:  # two plans, runs of the same name
+                name += "'"
+            names[identity] = name
+        groups.setdefault(names[identity], []).append(run)
     return groups
 
 
@@ -475,7 +512,7 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
                                                        "predicted_seconds"]].median()
     per_plan = []
     for name, members in plan_groups(runs).items():
-        medians = per_run.loc[[m.path.name for m in members if m.path.name in per_run.index]]
+        medians = per_run.loc[[str(m.path) for m in members if str(m.path) in per_run.index]]
         if medians.empty:
             continue
         measured = float(medians["measured_seconds"].median())

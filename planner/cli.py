@@ -837,6 +837,8 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
                "residual_before": result.residual_before,
                "residual_after": result.residual_after, "rows": result.rows,
                "runs": list(result.runs), "at_bounds": result.at_bounds,
+               "objective_before": result.objective_before,
+               "objective_after": result.objective_after,
                "held_out": None if result.held_out_after is None else {
                    key: {k: result_part[k] for k in ("median_abs_error_pct",
                                                      "max_abs_error_pct", "bias_pct",

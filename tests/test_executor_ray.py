@@ -347,10 +347,13 @@ def test_profile_execute_calibrate_accuracy_loop(tmp_path: Path) -> None:
         runs.append(str(tmp_path / f"r{index}" / "run"))
     calibrated = tmp_path / "fitted.yaml"
     fit = cli("calibrate", *runs, "--profile", str(profile), "-o", str(calibrated),
-              "--fit", "kernel_launch_seconds,train_compute,infer_compute", "--json")
+              "--fit", "kernel_launch_seconds,fsdp_unit_seconds,shared_host_slowdown,"
+              "train_compute,infer_compute", "--json")
     assert fit.returncode == 0, fit.stderr
     summary = json.loads(fit.stdout)
-    assert summary["residual_after"] <= summary["residual_before"]
+    # The fit lowers what it minimises (log errors); the relative RMS it also reports is a
+    # different measure and may move either way on two short runs.
+    assert summary["objective_after"] < summary["objective_before"]
     assert calibrated.exists()
     result = cli("accuracy", *runs, "--profile", str(calibrated), "--json")
     assert result.returncode == 0, result.stderr
