@@ -256,3 +256,14 @@ def test_compare_json_is_a_list_shaped_like_plan(tmp_path: Path) -> None:
                for r in result)
     assert {"compare.csv", "compare.md", "throughput_vs_gpus.png"} <= {
         p.name for p in out.iterdir()}
+
+
+def test_the_product_never_imports_the_test_only_shims() -> None:
+    """tests/compat patches GPU-only libraries for this CPU machine; no product module may
+    import anything from tests/."""
+    import re
+
+    pattern = re.compile(r"^\s*(from|import)\s+tests\b", re.MULTILINE)
+    for package in ("planner", "simulator", "executor", "profiles", "reports"):
+        for path in (ROOT / package).rglob("*.py"):
+            assert not pattern.search(path.read_text(encoding="utf-8")), path

@@ -1,10 +1,11 @@
 """Megatron-core on a CPU, for tests only (written for megatron-core 0.16.1).
 
 Megatron-core hard-codes CUDA in a few places that matter for a CPU run: tensors placed on
-``torch.cuda.current_device()`` (RoPE buffers, the global memory buffer, DDP's gradient
-buffers, pipeline messages), CUDA events and streams in the schedules, the CUDA RNG tracker of
-tensor-parallel regions, and a ``torch.cuda.FloatTensor`` type check in gradient clipping.
-``install()`` redirects those to the CPU. It changes nothing on a machine with a GPU.
+``torch.cuda.current_device()`` or on a literal ``"cuda"`` (RoPE buffers, the global memory
+buffer, DDP's gradient buffers, pipeline messages, the schedules' token counters), CUDA events
+and streams in the schedules, the CUDA RNG tracker of tensor-parallel regions, the default
+causal mask, and a ``torch.cuda.FloatTensor`` type check in gradient clipping. ``install()``
+redirects those to the CPU. It changes nothing on a machine with a GPU.
 """
 
 from __future__ import annotations
@@ -64,6 +65,27 @@ def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _is_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaToCpu(torch.overrides.TorchFunctionMode):
+    """Every ``device="cuda"`` a factory function or ``.to`` is given becomes the CPU, and
+    ``.cuda()`` a no-op (the schedules create some tensors with a literal "cuda")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and args[1:] and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
     """Scale every gradient by max_norm / total_norm when that is below 1 (the operation
     Megatron's version performs, without its CUDA type check)."""
@@ -88,6 +110,7 @@ def install() -> None:
     if megatron.core.__version__ != MEGATRON_CORE_VERSION:
         raise RuntimeError(f"tests/compat/megatron_cpu.py was written for megatron-core "
                            f"{MEGATRON_CORE_VERSION}, found {megatron.core.__version__}")
+    _CudaToCpu().__enter__()  # stays on for the life of the process
     torch.cuda.current_device = _cpu_device
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda: None

@@ -1,0 +1,85 @@
+"""Process bodies of the Megatron-core tests (module level, so that spawn can import them).
+Each process installs the test-only CPU shims, joins a gloo group, builds its stage of the
+model with the plan's layout and writes what it computed to a JSON file for the test."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def setup(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1) -> None:
+    from tests.compat.megatron_cpu import install
+
+    install()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)
+
+
+def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
+                             out: str) -> None:
+    """Forward log-probs of a batch through the pipeline schedule, and the weights exported
+    back to Hugging Face names, against the torch model they were imported from."""
+    setup(rank, world, port, tp, pp)
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from executor.backends.megatron import build_gpt, export_local, gather_hf, import_hf
+    from executor.model import build_model
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
+    spec = MODEL_PRESETS["tiny-4l"]
+    reference = build_model(spec, seed=0)
+    hf = {k: v.detach() for k, v in reference.state_dict().items()}
+    par = ParallelConfig(tp=tp, pp=pp, dp=world // (tp * pp), sequence_parallel=False)
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    model = build_gpt(spec, par, value_head=False, pp_rank=pp_rank)
+    import_hf(model, hf, spec, par, tp_rank=tp_rank, pp_rank=pp_rank)
+    ids = torch.randint(0, spec.vocab, (4, 12), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(12).expand(2, 12)
+    computed: list[torch.Tensor] = []
+
+    def forward_step(data, model):
+        batch = next(data)
+        output = model(batch, positions, attention_mask=None)
+
+        def loss(output_tensor: torch.Tensor):
+            if ps.is_pipeline_last_stage():
+                logits = output_tensor[:, :-1].transpose(0, 1).contiguous().float()
+                targets = batch[:, 1:].transpose(0, 1).contiguous()
+                computed.append(-vocab_parallel_cross_entropy(logits, targets).transpose(0, 1))
+            return output_tensor.sum() * 0, {}
+        return output, loss
+
+    with torch.no_grad():
+        get_forward_backward_func()(forward_step_func=forward_step,
+                                    data_iterator=iter([ids[:2], ids[2:]]), model=[model],
+                                    num_microbatches=2, seq_length=12, micro_batch_size=2,
+                                    forward_only=True)
+    shards = [None] * world
+    dist.all_gather_object(shards, export_local(model, spec, par, pp_rank=pp_rank))
+    if rank == world - 1:
+        expected = torch.log_softmax(reference(ids)[:, :-1].float(), -1).gather(
+            -1, ids[:, 1:, None]).squeeze(-1)
+        back = gather_hf(shards[:tp * pp], spec, par)
+        keys = [k for k in hf if not (spec.tied_embeddings and k == "lm_head.weight")]
+        Path(out).write_text(json.dumps({
+            "max_log_prob_error": float((torch.cat(computed) - expected).abs().max()),
+            "round_trip_exact": all(torch.equal(back[k], hf[k]) for k in keys),
+            "missing": sorted(set(keys) - set(back))}))
+    dist.destroy_process_group()
