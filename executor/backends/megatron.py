@@ -40,7 +40,10 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         sequence_parallel=par.sequence_parallel and par.tp > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=True, perform_initialization=False,
+        # Initialised on the device (each rank its shard) and then overwritten by the
+        # imported weights: initialisation is also what marks parameters tensor-parallel
+        # (``tensor_model_parallel``), which the gradient norm needs to count them once.
+        use_cpu_initialization=False, perform_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, deallocate_pipeline_outputs=False)
@@ -48,15 +51,22 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
 
 class ValueHead(torch.nn.Module):
     """Scalar head of critic / reward / cost models, whole on every tensor-parallel rank, in
-    place of GPTModel's vocabulary-parallel output layer (same call signature)."""
+    place of GPTModel's vocabulary-parallel output layer (same call signature). Under
+    sequence parallelism it first gathers the sequence, so every rank sees every token and
+    computes the same gradient for the head."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, *, sequence_parallel: bool):
         super().__init__()
         self.linear = torch.nn.Linear(hidden, 1, bias=True)
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
         return self.linear(hidden_states), None
 
 
@@ -87,7 +97,7 @@ def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank
         position_embedding_type="rope", rotary_base=int(spec.rope_theta),
         vp_stage=vp_stage)
     if value_head and model.post_process:
-        model.output_layer = ValueHead(spec.hidden)
+        model.output_layer = ValueHead(spec.hidden, sequence_parallel=config.sequence_parallel)
     return model
 
 
@@ -241,3 +251,245 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
             elif rest == "mlp.linear_fc2.weight":
                 hf[p + "mlp.down_proj.weight"] = torch.cat(parts, dim=1)
     return hf
+
+
+# ----- the trainer ---------------------------------------------------------------------------
+
+
+class _Computed:
+    """Stands in for a trainer inside a loss function: the log-probs or values of the
+    micro-batch the pipeline schedule just computed (the algorithm code asks for them)."""
+
+    def __init__(self, log_probs: torch.Tensor | None, values: torch.Tensor | None):
+        self._log_probs = log_probs
+        self._values = values
+
+    def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self._log_probs is not None
+        return self._log_probs
+
+    def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self._values is not None
+        return self._values
+
+
+class MegatronTrainer:
+    """One model on the ranks of the current process group with Megatron-core (the
+    ``TrainingBackend`` interface). The caller has initialised ``parallel_state`` for
+    ``par`` (one layout per process: Megatron's parallel state is global)."""
+
+    def __init__(self, spec: ModelSpec, par: ParallelConfig, *, value_head: bool, seed: int,
+                 trainable: bool, optim: Any = None, checkpoint: str | None = None):
+        from megatron.core import parallel_state as ps
+
+        from executor.model import build_model
+
+        self.spec = spec
+        self.par = par
+        self.value_head = value_head
+        self.trainable = trainable
+        self.fsdp = False
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        stages = [None] if par.vpp == 1 else list(range(par.vpp))
+        self.chunks = [build_gpt(spec, par, value_head=value_head, pp_rank=self.pp_rank,
+                                 vp_stage=stage) for stage in stages]
+        # Every layout starts from the same weights: the torch model's, by Hugging Face name.
+        reference = build_model(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
+        hf = {name: t.detach() for name, t in reference.state_dict().items()}
+        for stage, chunk in zip(stages, self.chunks, strict=True):
+            import_hf(chunk, hf, spec, par, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
+                      vp_stage=stage)
+        del reference, hf
+        self.optimizer = None
+        self.config = self.chunks[0].config
+        if trainable:
+            self._wrap_for_training(optim)
+        else:
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+
+    def _wrap_for_training(self, optim: Any) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        distributed_optimizer = self.par.sharding == "optimizer" and self.par.dp > 1
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.par.overlap_grad_reduce,
+            overlap_param_gather=self.par.overlap_param_gather and distributed_optimizer,
+            use_distributed_optimizer=distributed_optimizer)
+        self.chunks = [DistributedDataParallel(self.config, ddp_config, chunk)
+                       for chunk in self.chunks]
+        lr = getattr(optim, "lr", 1e-3)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=getattr(optim, "weight_decay", 0.0),
+            clip_grad=getattr(optim, "grad_clip", 1.0), bf16=False, fp16=False,
+            params_dtype=torch.float32, use_distributed_optimizer=distributed_optimizer,
+            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8), self.chunks)
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = [chunk.no_sync for chunk in self.chunks] \
+            if len(self.chunks) > 1 else self.chunks[0].no_sync
+        if ddp_config.overlap_grad_reduce:
+            self.config.grad_sync_func = [chunk.start_grad_sync for chunk in self.chunks] \
+                if len(self.chunks) > 1 else self.chunks[0].start_grad_sync
+
+    # ----- schedule -----
+
+    def _run(self, micro_batches: list[dict[str, torch.Tensor]], forward_only: bool,
+             on_output: Any) -> None:
+        """Forward (and backward) ``micro_batches`` through the pipeline schedule;
+        ``on_output(micro_batch, log_probs, values)`` runs on the last stage for each one and
+        returns the micro-batch's (loss, stats)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        seq = micro_batches[0]["input_ids"].shape[1]
+        size = micro_batches[0]["input_ids"].shape[0]
+        value_head = self.value_head
+
+        def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
+            batch = next(data)
+            ids = batch["input_ids"]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            output = model(ids, positions, attention_mask=None)
+
+            def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                if value_head:
+                    values = output_tensor.squeeze(-1).float()
+                    return on_output(batch, None, values)
+                logits = output_tensor[:, :-1].transpose(0, 1).contiguous().float()
+                targets = ids[:, 1:].transpose(0, 1).contiguous()
+                log_probs = -vocab_parallel_cross_entropy(logits, targets).transpose(0, 1)
+                return on_output(batch, log_probs, None)
+            return output, loss
+
+        chunks = self.chunks
+        iterators = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 \
+            else iter(micro_batches)
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iterators,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=size,
+            forward_only=forward_only)
+        del ps
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor | None,
+                                   shape: tuple[int, ...]) -> torch.Tensor:
+        """The last pipeline stage's result on every stage (the controller collects from the
+        first)."""
+        from megatron.core import parallel_state as ps
+
+        if self.par.pp == 1:
+            assert tensor is not None
+            return tensor
+        group = ps.get_pipeline_model_parallel_group()
+        last = ps.get_pipeline_model_parallel_last_rank()
+        if tensor is None:
+            tensor = torch.empty(shape)
+        torch.distributed.broadcast(tensor, src=last, group=group)
+        return tensor
+
+    # ----- TrainingBackend -----
+
+    @torch.no_grad()
+    def infer(self, input_ids: torch.Tensor, micro: int, values: bool) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        parts = [{"input_ids": input_ids[s:s + micro]}
+                 for s in range(0, len(input_ids), micro)]
+        results: list[torch.Tensor] = []
+
+        def keep(batch: dict, log_probs: torch.Tensor | None,
+                 value: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+            results.append(value if values else log_probs)
+            return torch.zeros(()), {}
+
+        for chunk in self.chunks:
+            chunk.eval()
+        self._run(parts, forward_only=True, on_output=keep)
+        width = input_ids.shape[1] - (0 if values else 1)
+        out = torch.cat(results) if ps.is_pipeline_last_stage() else None
+        return self._broadcast_from_last_stage(out, (len(input_ids), width))
+
+    def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.infer(input_ids, len(input_ids), values=False)
+
+    def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.infer(input_ids, len(input_ids), values=True)
+
+    def step(self, batches: list[dict[str, torch.Tensor]], loss_fn: Any) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches with the algorithm's loss
+        (Megatron averages the micro-batch losses and reduces gradients over data-parallel
+        ranks)."""
+        from megatron.core import parallel_state as ps
+
+        assert self.optimizer is not None
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        collected: list[dict] = []
+
+        def loss(batch: dict, log_probs: torch.Tensor | None,
+                 values: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+            value, stats = loss_fn(_Computed(log_probs, values), batch)
+            collected.append({k: float(v) for k, v in stats.items()})
+            return value, {}
+
+        self._run(batches, forward_only=False, on_output=loss)
+        _, grad_norm, _ = self.optimizer.step()
+        metrics: dict[str, float] = {}
+        if collected:
+            for key in collected[0]:
+                metrics[key] = sum(c[key] for c in collected) / len(collected)
+        if self.par.pp > 1:
+            # Stats live on the last stage: every stage reports them.
+            box = [metrics if ps.is_pipeline_last_stage() else None]
+            torch.distributed.broadcast_object_list(
+                box, src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group())
+            metrics = box[0]
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return metrics
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Whole Hugging Face tensors on every rank of the model-parallel group (gathered from
+        the tensor and pipeline shards of this data-parallel replica)."""
+        from megatron.core import parallel_state as ps
+
+        local: dict[str, torch.Tensor] = {}
+        stages = [None] if self.par.vpp == 1 else list(range(self.par.vpp))
+        for stage, chunk in zip(stages, self.chunks, strict=True):
+            module = chunk.module if hasattr(chunk, "module") else chunk
+            local.update(export_local(module, self.spec, self.par, pp_rank=self.pp_rank,
+                                      vp_stage=stage))
+        group = ps.get_model_parallel_group()
+        shards: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(shards, local, group=group)
+        # Megatron's model-parallel group lists ranks tp fastest, then pp.
+        return gather_hf(shards, self.spec, self.par)
+
+    def local_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for chunk in self.chunks
+                for name, p in chunk.named_parameters()}
+
+    def state_bytes(self) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for chunk in self.chunks
+                     for p in chunk.parameters())
+        grads = 0
+        for chunk in self.chunks:
+            for buffer in getattr(chunk, "buffers", []):
+                grads += buffer.grad_data.numel() * buffer.grad_data.element_size()
+        optimizer = 0
+        if self.optimizer is not None:
+            for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                state = getattr(getattr(inner, "optimizer", None), "state", {})
+                for entry in state.values():
+                    optimizer += sum(v.numel() * v.element_size() for v in entry.values()
+                                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": optimizer}

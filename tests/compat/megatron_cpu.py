@@ -4,7 +4,7 @@ Megatron-core hard-codes CUDA in a few places that matter for a CPU run: tensors
 ``torch.cuda.current_device()`` or on a literal ``"cuda"`` (RoPE buffers, the global memory
 buffer, DDP's gradient buffers, pipeline messages, the schedules' token counters), CUDA events
 and streams in the schedules, the CUDA RNG tracker of tensor-parallel regions, the default
-causal mask, and a ``torch.cuda.FloatTensor`` type check in gradient clipping. ``install()``
+causal mask, and ``torch.cuda.FloatTensor`` type checks in the optimizers. ``install()``
 redirects those to the CPU. It changes nothing on a machine with a GPU.
 """
 
@@ -73,7 +73,9 @@ def _is_cuda(device: object) -> bool:
 
 class _CudaToCpu(torch.overrides.TorchFunctionMode):
     """Every ``device="cuda"`` a factory function or ``.to`` is given becomes the CPU, and
-    ``.cuda()`` a no-op (the schedules create some tensors with a literal "cuda")."""
+    ``.cuda()`` a no-op (the schedules create some tensors with a literal "cuda"). A CPU
+    tensor's ``.type()`` answers with the CUDA type name, which the optimizers' type checks
+    (``param.type() == "torch.cuda.FloatTensor"``) require."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -81,23 +83,12 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if func is torch.Tensor.to and args[1:] and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
-
-
-def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """Scale every gradient by max_norm / total_norm when that is below 1 (the operation
-    Megatron's version performs, without its CUDA type check)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    coefficient = max_norm / (total_norm + 1.0e-6)
-    if coefficient >= 1.0:
-        return
-    for param in parameters:
-        grad = param.decoupled_grad if use_decoupled_grad else param.grad
-        if grad is not None:
-            grad.mul_(coefficient)
 
 
 def install() -> None:
@@ -123,8 +114,13 @@ def install() -> None:
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the tests
 
+    # The "CUDA" generator is the CPU one here, so the tracker's check that a forked CUDA
+    # state leaves the CPU state alone always fires: silence that one warning.
+    import logging
+
     from megatron.core.tensor_parallel import random as tp_random
 
+    logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     tp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
@@ -136,9 +132,4 @@ def install() -> None:
 
     transformer_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
-
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     _installed = True

@@ -83,3 +83,48 @@ def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
             "round_trip_exact": all(torch.equal(back[k], hf[k]) for k in keys),
             "missing": sorted(set(keys) - set(back))}))
     dist.destroy_process_group()
+
+
+def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int,
+                    sharding: str, out: str) -> None:
+    """Three optimizer steps of a token log-likelihood loss on a fixed global batch (each
+    data-parallel rank takes its share, 2 micro-batches each); the losses and the final
+    weights (Hugging Face names) from the last rank."""
+    setup(rank, world, port, tp, pp, vpp)
+    from megatron.core import parallel_state as ps
+
+    from executor.backends.megatron import MegatronTrainer
+    from executor.trainer import OptimConfig
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
+    spec = MODEL_PRESETS["tiny-4l"]
+    dp = world // (tp * pp)
+    par = ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, sharding=sharding,
+                         sequence_parallel=False, overlap_grad_reduce=False,
+                         overlap_param_gather=False)
+    trainer = MegatronTrainer(spec, par, value_head=False, seed=0, trainable=True,
+                              optim=OptimConfig(lr=1e-3))
+    ids = torch.randint(0, spec.vocab, (8, 10), generator=torch.Generator().manual_seed(2))
+    mine = ids.chunk(dp)[ps.get_data_parallel_rank()]
+    micro = [{"input_ids": part} for part in mine.chunk(2)]
+
+    def loss_fn(model, batch):
+        log_probs = model.token_log_probs(batch["input_ids"])
+        loss = -log_probs.mean()
+        return loss, {"loss": loss.detach()}
+
+    losses, grad_norms = [], []
+    for _ in range(3):
+        stats = trainer.step(micro, loss_fn)
+        # The mean over data-parallel ranks of their micro-batch means: the global mean.
+        value = torch.tensor([stats["loss"]])
+        dist.all_reduce(value)
+        losses.append(float(value) / world)
+        grad_norms.append(stats["grad_norm"])
+    weights = trainer.hf_state()
+    if rank == world - 1:
+        torch.save(weights, out + ".pt")
+        Path(out).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms}))
+    dist.barrier()
+    dist.destroy_process_group()
