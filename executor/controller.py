@@ -131,7 +131,8 @@ class WorkerGroup:
     """The workers of one colocated set: a placement group of GPU bundles, one fused worker
     per bundle, forming one torch.distributed group."""
 
-    def __init__(self, ray: Any, index: int, colocated: ColocatedSet):
+    def __init__(self, ray: Any, index: int, colocated: ColocatedSet,
+                 setup: str | None = None):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -146,7 +147,7 @@ class WorkerGroup:
             remote.options(num_gpus=1, num_cpus=0, scheduling_strategy=(
                 PlacementGroupSchedulingStrategy(self.placement_group,
                                                  placement_group_bundle_index=i)))
-            .remote(colocated.gpus, index)
+            .remote(colocated.gpus, index, setup)
             for i in range(colocated.gpus)]
         # Ranks in node order, then GPU order: consecutive ranks (a tensor-parallel group)
         # share a node whenever the placement group gave each node whole groups.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,18 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: int,
+                tp_group: Any, tp_rank: int) -> Any:
+    """The generator: the native sampler on this rank's generation shard (its generation tp
+    group given), or vLLM fed whole tensors (it forms its own tensor-parallel groups)."""
+    if backend == "vllm":
+        from executor.backends.vllm import VLLMEngine
+
+        return VLLMEngine(spec, tp_size=generation.tp, seed=seed,
+                          dtype=torch.float32)  # the trainers compute in fp32
+    return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank)
+
+
 class HybridEngine:
     """The actor's generation side, fed from its trainer's shards."""
 
@@ -71,17 +83,12 @@ class HybridEngine:
         self.replica = self.mesh.get_local_rank("dp") * self.micro_dp + self.micro_dp_rank
         self.backend = backend
         if backend == "vllm":
-            from executor.backends.vllm import VLLMEngine
-
             # vLLM holds its own copy of the weights and cuts its own tensor-parallel shards
             # from whole tensors: the transition gathers every tensor whole.
             self.mode = "full"
-            self.engine = VLLMEngine(trainer.spec, tp_size=generation.tp, seed=seed,
-                                     dtype=torch.float32)  # the trainer computes in fp32
-        else:
-            self.engine = GenerationEngine(trainer.spec,
-                                           tp_group=self.mesh.get_group("gen_tp"),
-                                           tp_size=generation.tp, tp_rank=self.gen_tp_rank)
+        self.engine = make_engine(trainer.spec, generation, backend, seed=seed,
+                                  tp_group=self.mesh.get_group("gen_tp"),
+                                  tp_rank=self.gen_tp_rank)
         self._aliased: list[torch.Tensor] = []
 
     # ----- transitions -----

@@ -1,10 +1,13 @@
 """Transfer protocols between the single controller and a worker group (HybridFlow §4.1,
 Table 3), declared on the worker method with ``@protocol(...)``.
 
-Ranks of a worker group are laid out as the device meshes the roles build: training rank
-``r = dp_index * tp + tp_index``; for generation the tp index splits into
-``gen_tp_index * micro_dp + micro_dp_index`` (micro-DP groups are consecutive ranks,
-generation TP groups take every ``micro_dp``-th rank, HybridFlow §5.3).
+Ranks of a worker group are laid out as the roles build their models, in Megatron's order:
+training rank ``r = (pp_index * dp + dp_index) * tp + tp_index`` (pp = 1 for the torch
+backend). For generation (pp_g = 1) the ranks of one training replica holding the same
+generation tp index form its micro-DP group: the tp index splits into
+``gen_tp_index * (tp / gen_tp) + i`` and the micro-DP index is ``pp_index * (tp / gen_tp) + i``
+(with pp = 1: micro-DP groups are consecutive ranks, generation TP groups take every
+``micro_dp``-th rank, HybridFlow §5.3).
 """
 
 from __future__ import annotations
@@ -57,23 +60,38 @@ class RankLayout:
     dp: int
     tp: int
     gen_tp: int = 1
+    pp: int = 1
 
     @property
     def micro_dp(self) -> int:
-        """Generation replicas per training replica, d_g = tp / gen_tp."""
-        return self.tp // self.gen_tp
+        """Generation replicas per training replica, d_g = pp * tp / gen_tp."""
+        return self.pp * self.tp // self.gen_tp
 
     @property
     def replicas(self) -> int:
         """Generation replicas in the group."""
         return self.dp * self.micro_dp
 
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp index, dp index, tp index) of a training rank."""
+        rest, tp_index = divmod(rank, self.tp)
+        pp_index, dp_index = divmod(rest, self.dp)
+        return pp_index, dp_index, tp_index
+
+    def dp_index(self, rank: int) -> int:
+        return self.coordinates(rank)[1]
+
+    def micro_dp_rank(self, rank: int) -> int:
+        """Index of ``rank`` in its micro-DP group."""
+        pp_index, _, tp_index = self.coordinates(rank)
+        block = self.tp // self.gen_tp
+        return pp_index * block + tp_index % block
+
     def replica_of(self, rank: int) -> int:
-        dp_index, tp_index = divmod(rank, self.tp)
-        return dp_index * self.micro_dp + tp_index % self.micro_dp
+        return self.dp_index(rank) * self.micro_dp + self.micro_dp_rank(rank)
 
     def gen_tp_rank(self, rank: int) -> int:
-        return (rank % self.tp) // self.micro_dp
+        return (rank % self.tp) // (self.tp // self.gen_tp)
 
 
 def dispatch(kind: Protocol, layout: RankLayout, payload: Any) -> tuple[list[Any], list[int]]:
@@ -85,7 +103,7 @@ def dispatch(kind: Protocol, layout: RankLayout, payload: Any) -> tuple[list[Any
     if kind is Protocol.DP:
         return payload.split(layout.world), list(range(layout.world))
     if kind is Protocol.THREE_D:
-        return payload.split(layout.dp), [r // layout.tp for r in range(layout.world)]
+        return payload.split(layout.dp), [layout.dp_index(r) for r in range(layout.world)]
     return payload.split(layout.replicas), [layout.replica_of(r) for r in range(layout.world)]
 
 
@@ -94,6 +112,7 @@ def collect_ranks(kind: Protocol, layout: RankLayout) -> list[int]:
     if kind in (Protocol.ONE_TO_ALL, Protocol.DP):
         return list(range(layout.world))
     if kind is Protocol.THREE_D:
+        # Pipeline stage 0, tp rank 0 of each replica (Megatron's last stage broadcasts).
         return [d * layout.tp for d in range(layout.dp)]
     ranks = [r for r in range(layout.world) if layout.gen_tp_rank(r) == 0]
     return sorted(ranks, key=layout.replica_of)

@@ -9,6 +9,7 @@ response positions, and whatever earlier stages added (``old_log_probs``, ``ref_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,21 @@ class RoleConfig:
     checkpoint: str | None = None
     generation_backend: str = "native"
     """Actor only: native (this project's sampler) or vllm."""
+    training_backend: str = "torch"
+    """torch (FSDP2 / DTensor) or megatron (Megatron-core)."""
+
+
+def build_trainer(config: RoleConfig) -> Any:
+    """The role's training backend, built on every rank of the worker group."""
+    if config.training_backend == "megatron":
+        from executor.backends.megatron import MegatronTrainer
+
+        return MegatronTrainer(config.spec, config.parallel, value_head=config.value_head,
+                               seed=config.seed, trainable=config.trainable,
+                               optim=config.optim, checkpoint=config.checkpoint)
+    return Trainer(config.spec, config.parallel, value_head=config.value_head,
+                   seed=config.seed, trainable=config.trainable, optim=config.optim,
+                   checkpoint=config.checkpoint)
 
 
 class Role:
@@ -52,9 +68,7 @@ class Role:
 
     def __init__(self, config: RoleConfig):
         self.config = config
-        self.trainer = Trainer(config.spec, config.parallel, value_head=config.value_head,
-                               seed=config.seed, trainable=config.trainable,
-                               optim=config.optim, checkpoint=config.checkpoint)
+        self.trainer = build_trainer(config)
         self.last_transition = None
 
     @property
@@ -95,8 +109,15 @@ class ActorRole(Role):
     def __init__(self, config: RoleConfig):
         super().__init__(config)
         assert config.generation is not None and config.sampling is not None
-        self.hybrid = HybridEngine(self.trainer, config.generation, config.transition,
-                                   backend=config.generation_backend, seed=config.seed)
+        if config.training_backend == "megatron":
+            from executor.backends.megatron_hybrid import MegatronHybridEngine
+
+            self.hybrid: Any = MegatronHybridEngine(self.trainer, config.generation,
+                                                    backend=config.generation_backend,
+                                                    seed=config.seed)
+        else:
+            self.hybrid = HybridEngine(self.trainer, config.generation, config.transition,
+                                       backend=config.generation_backend, seed=config.seed)
 
     @protocol(Protocol.MICRO_DP)
     def generate(self, batch: Batch) -> Batch:

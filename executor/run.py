@@ -44,6 +44,9 @@ class ExecutionOptions:
     """Steps fitting the reward (and cost) model to the task's rules before RL (model
     rewards / costs only)."""
     log: Callable[[str], None] | None = None
+    worker_setup: str | None = None
+    """``module:function`` every worker imports and calls before building models
+    (site-specific preparation)."""
 
 
 @dataclass(frozen=True)
@@ -56,21 +59,31 @@ class RunResult:
 
 def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> None:
     """Everything that can be checked before a worker starts; raises SpecError."""
-    from executor.backends import check_available
+    from executor.backends import check_available, check_megatron_layout
     from executor.trainer import check_layout
 
     if job.algorithm not in SUPPORTED_ALGORITHMS:
         raise SpecError(f"the executor runs {', '.join(SUPPORTED_ALGORITHMS)}; "
                         f"{job.algorithm} is planned but not executable yet", key="algorithm")
     plan.validate(job)
+    chosen_backends = effective_backends(job, plan)
     for role in job.gpu_roles:
         rp = plan.roles[role]
         spec = job.model(role)
-        chosen = job.backends.get(role)
-        if chosen is not None:
-            check_available(role, chosen.training, chosen.generation, spec=spec,
-                            parallel=rp.parallel, generation_config=rp.generation)
-        check_layout(spec, rp.parallel, key=f"roles.{role}.parallel", generation=rp.generation)
+        training, generation = chosen_backends[role]
+        check_available(role, training, generation, spec=spec, parallel=rp.parallel,
+                        generation_config=rp.generation)
+        if training == "megatron":
+            check_megatron_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
+                                  generation=rp.generation)
+            if role == "actor" and job.algorithm == "safe-rlhf" and options.rl.ptx_coef > 0:
+                raise SpecError("Safe-RLHF's pretraining (ptx) loss runs on a second input, "
+                                "which the Megatron backend's pipeline schedule does not "
+                                "compute; train the actor with the torch backend or set "
+                                "ptx_coef 0", key="backends.actor.training")
+        else:
+            check_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
+                         generation=rp.generation)
         if rp.generation is not None and rp.parallel.tp % rp.generation.tp:
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "
                             f"tp={rp.parallel.tp} (3D-HybridEngine)",
@@ -96,6 +109,23 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                             key="workload.prompts_per_iteration")
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
+    # Megatron roles of one set share Megatron's (per-process) parallel state.
+    from dataclasses import replace
+
+    replace(plan, roles={role: replace(rp, training_backend=chosen_backends[role][0])
+                         for role, rp in plan.roles.items()}).check_backends()
+
+
+def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:
+    """role -> (training backend, generation backend): the job's ``backends:`` where it says,
+    else the plan's training backend and native generation."""
+    out = {}
+    for role in job.gpu_roles:
+        chosen = job.backends.get(role)
+        training = (chosen.training if chosen and chosen.training
+                    else plan.roles[role].training_backend)
+        out[role] = (training, chosen.generation if chosen else "native")
+    return out
 
 
 def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
@@ -107,6 +137,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
     dataflow = job.dataflow
     work = job.workload
     rl = options.rl.resolved(job.algorithm)
+    backends = effective_backends(job, plan)
     configs = {}
     for index, role in enumerate(job.gpu_roles):
         rp = plan.roles[role]
@@ -124,8 +155,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
             rl=rl, sampling=sampling, ppo_epochs=work.ppo_epochs,
             mini_batches=work.mini_batches_per_epoch,
             infer_micro_batch=work.infer_micro_batch_size, transition=options.transition,
-            generation_backend=job.backends[role].generation if role in job.backends
-            else "native")
+            generation_backend=backends[role][1], training_backend=backends[role][0])
     # The reference starts as a copy of the actor: same seed, same model.
     if "ref" in configs and "actor" in configs and \
             job.model("ref") == job.model("actor"):
@@ -189,7 +219,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     groups: list[WorkerGroup] = []
     try:
         say(f"starting {plan.total_gpus} workers in {len(plan.sets)} colocated set(s)")
-        groups = [WorkerGroup(ray, i, s) for i, s in enumerate(plan.sets)]
+        groups = [WorkerGroup(ray, i, s, options.worker_setup)
+                  for i, s in enumerate(plan.sets)]
         for role in job.gpu_roles:
             if plan.roles[role].parallel.tp > 1:
                 groups[plan.set_index(role)].check_groups_share_nodes(
@@ -204,7 +235,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
         for role in job.gpu_roles:
             rp = plan.roles[role]
             layout = RankLayout(world=rp.parallel.world_size, dp=rp.parallel.dp,
-                                tp=rp.parallel.tp,
+                                tp=rp.parallel.tp, pp=rp.parallel.pp,
                                 gen_tp=rp.generation.tp if rp.generation else 1)
             names = {m: f"{role}.{op}" for m, op in node_names.items()}
             handles[role] = RoleHandle(groups[plan.set_index(role)], role, layout,
@@ -239,9 +270,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             start = time.time()
             summary = driver(ctx, iteration)
             end = time.time()
-            rows.extend(measurement_rows(list(records), iteration, plan, origin, {
-                role: (chosen.training, chosen.generation)
-                for role, chosen in job.backends.items()}))
+            rows.extend(measurement_rows(list(records), iteration, plan, origin,
+                                         effective_backends(job, plan)))
             rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
                          "operation": "iteration", "location": -1, "set": "controller",
                          "gpus": plan.total_gpus, "parallel": plan.placement,

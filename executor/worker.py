@@ -32,12 +32,23 @@ def configure_threads() -> None:
     torch.set_num_threads(1)
 
 
+def run_setup_hook(spec: str) -> None:
+    """Import ``module:function`` and call it: site-specific preparation every worker runs
+    before it builds a model (``hybridflow execute --worker-setup``)."""
+    import importlib
+
+    module, _, function = spec.partition(":")
+    getattr(importlib.import_module(module), function or "setup")()
+
+
 class SetWorker:
     """One rank of the worker group of colocated set ``set_index`` (the rank is given when
     the group forms, once the controller knows which node each worker landed on)."""
 
-    def __init__(self, world: int, set_index: int):
+    def __init__(self, world: int, set_index: int, setup: str | None = None):
         configure_threads()
+        if setup:
+            run_setup_hook(setup)
         bind_local_gpu()
         self.device = worker_device()
         self.rank = -1

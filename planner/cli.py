@@ -523,9 +523,12 @@ def _search_flags(f: Any) -> Any:
                           "e.g. 256,1024.")(f)
     f = click.option("--micro-batches", default="1,2,4", show_default=True,
                      help="Training micro-batch sizes to try (sequences per GPU).")(f)
-    f = click.option("--backend", type=click.Choice(["any", "megatron", "fsdp"]),
+    f = click.option("--backend", type=click.Choice(["any", "megatron", "fsdp", "simulated"]),
                      default="any", show_default=True,
-                     help="Training layouts to search: Megatron 3D, FSDP, or both.")(f)
+                     help="Layouts to search: any = what the installed executor backends run "
+                          "(torch FSDP2, and Megatron-core when installed); megatron or fsdp "
+                          "alone; simulated = every layout the simulator prices, executable "
+                          "or not (e.g. generation pp > 1).")(f)
     return click.option("--top", "top", type=click.IntRange(min=1), default=5,
                         show_default=True, help="Plans to keep in the ranking.")(f)
 
@@ -691,10 +694,14 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 @click.option("--rl", "rl_settings", multiple=True, metavar="KEY=VALUE",
               help="An RL hyper-parameter (repeatable), e.g. --rl kl_coef=0.05 --rl "
                    "cost_threshold=0.1; keys: see executor/algorithms.py RLConfig.")
+@click.option("--worker-setup", default=None, metavar="MODULE:FUNCTION",
+              help="A function every worker imports and calls before it builds models "
+                   "(site-specific preparation; the CPU tests pass their Megatron "
+                   "compatibility layer this way).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
-            rl_settings: tuple[str, ...], as_json: bool) -> None:
+            rl_settings: tuple[str, ...], worker_setup: str | None, as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -712,7 +719,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
     options = ExecutionOptions(steps=steps, seed=seed, out=run_dir, address=address,
                                transition=transition,  # type: ignore[arg-type]
                                actor_lr=lr, critic_lr=lr, reward_warmup_steps=reward_warmup,
-                               rl=_rl_config(rl_settings),
+                               rl=_rl_config(rl_settings), worker_setup=worker_setup,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)

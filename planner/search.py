@@ -51,6 +51,35 @@ Placement = tuple[tuple[str, ...], ...]
 EPSILON = 1e-9
 
 
+def megatron_consistent(candidates: dict[str, list[RoleCandidate]],
+                        ) -> list[dict[str, list[RoleCandidate]]]:
+    """The set's candidates split so that every combination drawn from one part has its
+    Megatron roles on one (tp, pp, vpp) layout (Megatron's parallel state is one per
+    process): one part per layout when two or more roles have Megatron candidates."""
+    layouts = {r: {c.plan.megatron_layout() for c in cands} - {None}
+               for r, cands in candidates.items()}
+    if sum(1 for found in layouts.values() if found) < 2:
+        return [candidates]
+    parts = []
+    for layout in sorted(set().union(*layouts.values())):
+        parts.append({r: [c for c in cands if c.plan.megatron_layout() in (None, layout)]
+                      for r, cands in candidates.items()})
+    return parts
+
+
+def _unique_points(points: list[SetPoint]) -> list[SetPoint]:
+    """``points`` without repeats (combinations of torch-only roles appear in every part)."""
+    seen: set[tuple] = set()
+    out = []
+    for point in points:
+        key = tuple((role, plan_label(plan), plan.training_backend)
+                    for role, plan in point.plans)
+        if key not in seen:
+            seen.add(key)
+            out.append(point)
+    return out
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SearchOptions:
     """Knobs of the search (defaults are what ``hybridflow plan`` uses)."""
@@ -266,12 +295,17 @@ class Search:
             return self._frontiers[key]
         self.stats.frontiers += 1
         candidates = {r: self.candidates(r, gpus) for r in roles}
-        if any(not c for c in candidates.values()):
-            points: list[SetPoint] = []
-        else:
-            points = set_frontier(self.job, roles, self.groups(roles), candidates, self.usable,
-                                  gpus=gpus, prune=self.options.prune,
-                                  generation_cache=self._generation_cache)
+        points: list[SetPoint] = []
+        # Executable plans keep a set's Megatron roles on one layout; studies need not.
+        subsets = [candidates] if self.options.space.backend == "simulated" else \
+            megatron_consistent(candidates)
+        for subset in subsets:
+            if any(not c for c in subset.values()):
+                continue
+            points.extend(set_frontier(self.job, roles, self.groups(roles), subset,
+                                       self.usable, gpus=gpus, prune=self.options.prune,
+                                       generation_cache=self._generation_cache))
+        points = _unique_points(points)
         if self.options.cache:
             self._frontiers[key] = points
         return points
@@ -521,6 +555,11 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
                 plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
                     ColocatedSet(roles=g, gpus=s, first_gpu=f)
                     for g, s, f in zip(placement, allocation, first, strict=True)))
+                if space.backend != "simulated":
+                    try:
+                        plan.check_backends()
+                    except SpecError:
+                        continue  # Megatron roles of a set on different layouts
                 estimate = estimate_plan(job, plan)
                 if not estimate.feasible:
                     continue

@@ -11,14 +11,31 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from simulator.plan import RolePlan
+from simulator.plan import RolePlan, torch_runs
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
-Backend = Literal["any", "megatron", "fsdp"]
-"""Which training layouts to search: Megatron-style 3D (pp x tp x dp with the distributed
-optimizer), the torch backend the executor runs (FSDP2 / DTensor: tp x dp, pp = 1, FSDP or
-replicas, generation tp dividing training tp), or both."""
+Backend = Literal["any", "megatron", "fsdp", "simulated"]
+"""Which layouts to search:
+
+- ``any``: what the installed executor backends run: the torch backend (FSDP2 / DTensor: tp x
+  dp, pp = 1, FSDP or replicas, generation tp dividing training tp) and, when megatron-core is
+  installed, Megatron-core 3D (pp x tp x dp, distributed optimizer, sequence parallelism);
+  generation pp = 1 (neither generator runs a pipeline) unless the job pins it;
+- ``megatron`` / ``fsdp``: one of those two;
+- ``simulated``: every layout the simulator prices, executable or not (generation pp > 1),
+  for studies such as the HybridFlow paper's.
+"""
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core is importable here (the executor's Megatron backend)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def set_partitions(items: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], ...]]:
@@ -135,8 +152,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
            and (gpus < gpn or gpn % t == 0)]
 
     layouts: list[tuple[int, int, str]] = []  # (tp, pp, sharding)
-    if options.backend in ("any", "megatron") and pins.get("sharding") in (None, "none",
-                                                                            "optimizer"):
+    megatron = options.backend in ("megatron", "simulated") or (
+        options.backend == "any" and megatron_installed())
+    if megatron and pins.get("sharding") in (None, "none", "optimizer"):
         for tp in tps:
             for pp in _divisors(model.layers):
                 if gpus % (tp * pp) or pins.get("pp", pp) != pp:
@@ -146,18 +164,21 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 if pins.get("sharding") == "none":
                     sharding = "none"
                 layouts.append((tp, pp, sharding))
-    if options.backend in ("any", "fsdp") and pins.get("sharding") in (None, "fsdp") \
-            and pins.get("pp", 1) == 1:
+    if options.backend in ("any", "fsdp", "simulated") and \
+            pins.get("sharding") in (None, "fsdp") and pins.get("pp", 1) == 1:
         layouts.extend((tp, 1, "fsdp") for tp in tps if gpus // tp > 1)
-    if options.backend == "fsdp":
-        # What the executor's torch backend runs: pp = 1, FSDP or plain replicas, and tp
-        # dividing every sharded width (heads, KV heads, MLP, vocabulary).
-        if pins.get("sharding") in (None, "none") and pins.get("pp", 1) == 1:
-            layouts.extend((tp, 1, "none") for tp in tps if not (trained and gpus // tp > 1
-                                                                  and (tp, 1, "fsdp") in layouts))
+    torch_only = options.backend == "fsdp" or (options.backend == "any" and not megatron)
+    if torch_only and pins.get("sharding") in (None, "none") and pins.get("pp", 1) == 1:
+        # The torch backend also runs plain replicas (and a whole model per GPU).
+        layouts.extend((tp, 1, "none") for tp in tps if not (trained and gpus // tp > 1
+                                                              and (tp, 1, "fsdp") in layouts))
+    if options.backend != "simulated":
+        # Both executor backends cut every sharded width evenly (heads, KV heads, MLP,
+        # vocabulary) and give each pipeline stage the same number of layers.
         layouts = [(tp, pp, sh) for tp, pp, sh in layouts
                    if all(size % tp == 0 for size in (model.kv_heads, model.ffn_hidden,
-                                                        model.vocab))]
+                                                        model.vocab))
+                   and model.layers % (pp * pins.get("vpp", 1)) == 0]
 
     micro_batches = (pins["micro_batch_size"],) if "micro_batch_size" in pins else (
         options.micro_batches if trained else (job.workload.infer_micro_batch_size,))
@@ -170,8 +191,12 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         sorted({default_seqs, *options.max_num_seqs}))
     utilizations = (default_utilization,) if "gpu_memory_utilization" in pins else tuple(
         sorted({default_utilization, *options.memory_utilization}))
-    # The executor's torch backend runs tensor parallelism without sequence parallelism.
-    sequence_parallel = pins.get("sequence_parallel", options.backend != "fsdp")
+    # The executor's backends run tensor parallelism without sequence parallelism (torch
+    # DTensor, and Megatron-core's local layers): only studies of the simulator assume it.
+    sequence_parallel = pins.get("sequence_parallel", options.backend == "simulated")
+    # No generator the executor has runs a pipeline.
+    studies = options.backend == "simulated"
+    generation_pipelines = studies
 
     out: list[RolePlan] = []
     for tp, pp, sharding in layouts:
@@ -181,20 +206,23 @@ def role_configs(job: JobSpec, role: str, gpus: int,
             for recompute in recomputes:
                 par = ParallelConfig(tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp,
                                      sharding=sharding, recompute=recompute,  # type: ignore[arg-type]
-                                     sequence_parallel=sequence_parallel, micro_batch_size=mbs,
-                                     overlap_grad_reduce=overlap_grad,
+                                     sequence_parallel=sequence_parallel if studies else
+                                     sequence_parallel and sharding != "fsdp" and tp > 1,
+                                     micro_batch_size=mbs, overlap_grad_reduce=overlap_grad,
                                      overlap_param_gather=overlap_param)
+                backend = "torch" if torch_runs(par) and (sharding == "fsdp" or torch_only) \
+                    else "megatron"
                 if not generates:
-                    out.append(RolePlan(parallel=par))
+                    out.append(RolePlan(parallel=par, training_backend=backend))
                     continue
                 shards = gpus if sharding == "fsdp" else tp * pp
                 gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
                     p for p in _divisors(pp if sharding != "fsdp" else 1)
-                    if model.layers % p == 0]
+                    if model.layers % p == 0 and (p == 1 or generation_pipelines)]
                 for gen_tp in _powers_of_two(min(gpn, shards)):
                     if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
                         continue
-                    if (sharding != "fsdp" or options.backend == "fsdp") and tp % gen_tp:
+                    if (sharding != "fsdp" or torch_only) and tp % gen_tp:
                         continue
                     if pins.get("generation_tp", gen_tp) != gen_tp:
                         continue
@@ -205,5 +233,6 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                             for utilization in utilizations:
                                 gen = GenerationConfig(tp=gen_tp, pp=gen_pp, max_num_seqs=seqs,
                                                        memory_utilization=utilization)
-                                out.append(RolePlan(parallel=par, generation=gen))
+                                out.append(RolePlan(parallel=par, generation=gen,
+                                                    training_backend=backend))
     return out

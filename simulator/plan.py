@@ -57,12 +57,50 @@ class ColocatedSet:
                 (self.first_gpu + self.gpus - 1) // gpus_per_node)
 
 
+TRAINING_BACKENDS = ("torch", "megatron")
+
+
+def torch_runs(par: ParallelConfig) -> bool:
+    """Whether the executor's torch backend (FSDP2 / DTensor) runs this layout: no pipeline,
+    FSDP or plain replicas, tensor parallelism without sequence parallelism."""
+    return par.pp == 1 and par.vpp == 1 and par.sharding != "optimizer" and not (
+        par.sequence_parallel and par.tp > 1)
+
+
+def megatron_runs(par: ParallelConfig) -> bool:
+    """Whether the Megatron-core backend runs this layout (it shards optimizer states with
+    its distributed optimizer, never FSDP-style; its local layers run tensor parallelism
+    without sequence parallelism)."""
+    return par.sharding != "fsdp" and not (par.sequence_parallel and par.tp > 1)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RolePlan:
     """One role's layouts: training/inference and, for the actor, generation."""
 
     parallel: ParallelConfig
     generation: GenerationConfig | None = None
+    training_backend: str = ""
+    """The executor backend that trains and runs inference for this role: torch (FSDP2 /
+    DTensor) or megatron (Megatron-core). Left out, it is the torch backend when that can run
+    the layout, else Megatron."""
+
+    def __post_init__(self) -> None:
+        if not self.training_backend:
+            object.__setattr__(self, "training_backend",
+                               "torch" if torch_runs(self.parallel) else "megatron")
+        # A layout neither executor backend runs (a study of the simulator's) stays labelled
+        # as Megatron's; Plan.validate does not reject it, ``execute`` does.
+        elif self.training_backend not in TRAINING_BACKENDS:
+            raise SpecError(f"unknown training backend {self.training_backend!r} (choose "
+                            f"{' or '.join(TRAINING_BACKENDS)})", key="training_backend")
+
+    def megatron_layout(self) -> tuple[int, int, int] | None:
+        """(tp, pp, vpp) when Megatron runs this role: Megatron's parallel state is one per
+        process, so the Megatron roles of a colocated set must share it."""
+        if self.training_backend != "megatron":
+            return None
+        return self.parallel.tp, self.parallel.pp, self.parallel.vpp
 
 
 @dataclass(kw_only=True, slots=True, frozen=True, eq=False)
@@ -202,6 +240,29 @@ class Plan:
         for role in self.roles:
             if role not in gpu_roles:
                 raise SpecError(f"{role!r} is not a GPU role of this job", key=f"roles.{role}")
+
+    def check_backends(self) -> None:
+        """Raise SpecError if a role's training backend cannot run its layout, or if the
+        Megatron roles of one set disagree on (tp, pp, vpp) (what ``execute`` needs beyond
+        ``validate``: the simulator prices layouts no executor backend runs)."""
+        for role, rp in self.roles.items():
+            key = f"roles.{role}.training_backend"
+            if rp.training_backend == "torch" and not torch_runs(rp.parallel):
+                raise SpecError(f"the torch backend cannot run {rp.parallel.short()} "
+                                "(pipeline, distributed optimizer or sequence parallelism need "
+                                "megatron)", key=key)
+            if rp.training_backend == "megatron" and not megatron_runs(rp.parallel):
+                raise SpecError("the Megatron backend shards optimizer states (sharding: "
+                                "optimizer), not FSDP-style, and runs tensor parallelism "
+                                "without sequence parallelism", key=key)
+        for i, s in enumerate(self.sets):
+            layouts = {role: self.roles[role].megatron_layout() for role in s.roles
+                       if role in self.roles and self.roles[role].megatron_layout()}
+            if len(set(layouts.values())) > 1:
+                shown = ", ".join(f"{r} tp{t}-pp{p}-vpp{v}" for r, (t, p, v) in layouts.items())
+                raise SpecError(f"Megatron roles of one colocated set share one (tp, pp, vpp) "
+                                f"layout (Megatron's parallel state is one per process); got "
+                                f"{shown}", key=f"sets[{i}]")
 
     # ----- files -----
 

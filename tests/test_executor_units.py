@@ -211,6 +211,9 @@ def test_plan_json_written_by_planner_is_read_by_executor_validation(tmp_path: P
                       "ref": {"parallel": {"tp": 2, "dp": 1, "sequence_parallel": False}}}}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     options = ExecutionOptions()
+    # Left out, the training backend is the one that runs the layout: Megatron here.
+    assert plan_from_mapping(plan).roles["actor"].training_backend == "megatron"
+    plan["roles"]["actor"]["training_backend"] = "torch"
     with pytest.raises(SpecError, match="distributed optimizer needs the Megatron backend"):
         validate_for_execution(job, plan_from_mapping(plan), options)
     plan["roles"]["actor"]["parallel"]["sharding"] = "none"
@@ -218,6 +221,43 @@ def test_plan_json_written_by_planner_is_read_by_executor_validation(tmp_path: P
     plan["roles"]["actor"]["parallel"]["tp"] = 1
     with pytest.raises(SpecError, match="needs pipeline parallelism"):
         validate_for_execution(job, plan_from_mapping(plan), options)
+
+
+def test_protocols_with_pipeline_stages_follow_megatrons_rank_order() -> None:
+    # pp 2 x dp 2 x tp 2: rank = (pp * dp + dp_index) * tp + tp_index.
+    layout = RankLayout(world=8, dp=2, tp=2, pp=2, gen_tp=1)
+    assert [layout.coordinates(r) for r in (0, 3, 4, 7)] == [(0, 0, 0), (0, 1, 1), (1, 0, 0),
+                                                                (1, 1, 1)]
+    batch = Batch({"x": torch.arange(8)})
+    _, assignment = dispatch(Protocol.THREE_D, layout, batch)
+    assert assignment == [0, 0, 1, 1, 0, 0, 1, 1]  # each replica spans both stages
+    assert collect_ranks(Protocol.THREE_D, layout) == [0, 2]
+    # Generation tp 1: a micro-DP group is a replica's 2 tp ranks x 2 stages.
+    assert layout.micro_dp == 4 and layout.replicas == 8
+    assert [layout.replica_of(r) for r in range(8)] == [0, 1, 4, 5, 2, 3, 6, 7]
+    # Generation tp 2: the tp ranks of a stage generate together; stages are replicas.
+    wide = RankLayout(world=8, dp=2, tp=2, pp=2, gen_tp=2)
+    assert [wide.gen_tp_rank(r) for r in range(8)] == [0, 1] * 4
+    assert [wide.replica_of(r) for r in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    assert collect_ranks(Protocol.MICRO_DP, wide) == [0, 4, 2, 6]
+
+
+def test_role_plans_name_the_backend_that_runs_them() -> None:
+    from simulator.plan import ColocatedSet, Plan, RolePlan
+    from simulator.specs.parallel import ParallelConfig
+
+    assert RolePlan(parallel=ParallelConfig(tp=2, dp=2, sharding="fsdp",
+                                            sequence_parallel=False)).training_backend == "torch"
+    assert RolePlan(parallel=ParallelConfig(pp=2)).training_backend == "megatron"
+    assert RolePlan(parallel=ParallelConfig(dp=2, sharding="optimizer")).training_backend \
+        == "megatron"
+    with pytest.raises(SpecError, match="training_backend: unknown training backend 'jax'"):
+        RolePlan(parallel=ParallelConfig(), training_backend="jax")
+    bad = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor",), gpus=2),),
+               roles={"actor": RolePlan(parallel=ParallelConfig(pp=2), training_backend="torch")})
+    with pytest.raises(SpecError, match=r"roles\.actor\.training_backend: the torch backend "
+                                        r"cannot run pp2-tp1-dp1"):
+        bad.check_backends()
 
 
 def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
@@ -257,9 +297,32 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
     with pytest.raises(SpecError, match=r"backends\.actor\.training: must be one of"):
         job_from_mapping({**base, "backends": {"actor": {"training": "jax"}}})
     megatron = job_from_mapping({**base, "backends": {"actor": {"training": "megatron"}}})
-    with pytest.raises(SpecError, match=r"backends\.actor\.training: Megatron-core training "
-                                        r"is not available"):
+    monkeypatch.setattr(backends, "megatron_installed", lambda: False)
+    with pytest.raises(SpecError, match=r"backends\.actor\.training: Megatron-core is not "
+                                        r"installed: install it with `make engines`"):
         validate_for_execution(megatron, plan, ExecutionOptions())
+    monkeypatch.setattr(backends, "megatron_installed", lambda: True)
+    validate_for_execution(megatron, plan, ExecutionOptions())
+    # Megatron's local layers have no sequence parallelism.
+    sp = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=2),),
+              roles={"actor": RolePlan(parallel=ParallelConfig(tp=2, sequence_parallel=True),
+                                       generation=GenerationConfig()),
+                     "ref": RolePlan(parallel=ParallelConfig(tp=2))})
+    two_gpus = {**base, "cluster": {"nodes": 1, "gpus_per_node": 2}}
+    with pytest.raises(SpecError, match=r"roles\.actor\.parallel\.sequence_parallel: the "
+                                        r"Megatron backend"):
+        validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
+            "training": "megatron"}}}), sp, ExecutionOptions())
+    # Megatron roles of one set share Megatron's per-process parallel state.
+    mixed = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=2),),
+                 roles={"actor": RolePlan(parallel=ParallelConfig(tp=2, sequence_parallel=False),
+                                          generation=GenerationConfig()),
+                        "ref": RolePlan(parallel=ParallelConfig(tp=1, dp=2),
+                                        training_backend="megatron")})
+    with pytest.raises(SpecError, match=r"sets\[0\]: Megatron roles of one colocated set "
+                                        r"share one \(tp, pp, vpp\) layout"):
+        validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
+            "training": "megatron"}}}), mixed, ExecutionOptions())
     validate_for_execution(job_from_mapping({**base, "backends": {"actor": {
         "training": "torch", "generation": "native"}}}), plan, ExecutionOptions())
 

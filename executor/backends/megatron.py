@@ -256,21 +256,122 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
 # ----- the trainer ---------------------------------------------------------------------------
 
 
+def initialize_parallel(par: ParallelConfig, seed: int) -> None:
+    """Megatron's (global) parallel state for ``par`` on the current process group, once per
+    process; a second role must ask for the same (tp, pp, vpp)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if have != (par.tp, par.pp, par.vpp):
+            raise RuntimeError(f"Megatron is already laid out as tp{have[0]}-pp{have[1]}-"
+                               f"vpp{have[2]} in this process; a colocated set's Megatron "
+                               f"roles must share one layout, got tp{par.tp}-pp{par.pp}-"
+                               f"vpp{par.vpp}")
+        return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_rank: int,
+                    tp_rank: int, vp_stage: int | None = None,
+                    ) -> dict[str, torch.Tensor]:
+    """This rank's tensor-parallel shards of one stage under Hugging Face names, cut as the
+    native generator cuts them (q / k / v by heads, gate / up by rows, o / down by columns,
+    vocabulary rows); replicated tensors (norms) only from tp rank 0, so that a gather over
+    ranks holding different shards never carries a tensor twice."""
+    out: dict[str, torch.Tensor] = {}
+    groups = spec.kv_heads // par.tp
+    per_group, hd = _qkv_rows(spec)
+    for name, t in export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage).items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "decoder.final_layernorm.weight":
+            if tp_rank == 0:
+                out["model.norm.weight"] = t
+        elif name == "output_layer.weight":
+            if not spec.tied_embeddings:
+                out["lm_head.weight"] = t
+        elif name.startswith("layer."):
+            _, index, rest = name.split(".", 2)
+            p = f"model.layers.{index}."
+            if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+                if tp_rank == 0:
+                    hf = "input_layernorm" if rest.startswith("input") else \
+                        "post_attention_layernorm"
+                    out[p + hf + ".weight"] = t
+            elif rest.startswith("self_attention.linear_qkv."):
+                kind = rest.rsplit(".", 1)[1]
+                rows = t if kind == "weight" else t[:, None]
+                block = (per_group + 2) * hd
+                q, k, v = [], [], []
+                for g in range(groups):
+                    part = rows[g * block:(g + 1) * block]
+                    q.append(part[:per_group * hd])
+                    k.append(part[per_group * hd:(per_group + 1) * hd])
+                    v.append(part[(per_group + 1) * hd:])
+                for label, parts in (("q", q), ("k", k), ("v", v)):
+                    whole = torch.cat(parts)
+                    out[f"{p}self_attn.{label}_proj.{kind}"] = whole if kind == "weight" \
+                        else whole[:, 0]
+            elif rest == "self_attention.linear_proj.weight":
+                out[p + "self_attn.o_proj.weight"] = t
+            elif rest == "mlp.linear_fc1.weight":
+                gate, up = t.chunk(2)
+                out[p + "mlp.gate_proj.weight"] = gate
+                out[p + "mlp.up_proj.weight"] = up
+            elif rest == "mlp.linear_fc2.weight":
+                out[p + "mlp.down_proj.weight"] = t
+    return out
+
+
+def _equal_micro_batches(micro_batches: list[dict[str, torch.Tensor]],
+                         ) -> list[dict[str, torch.Tensor]]:
+    """The same rows in micro-batches of one size (the pipeline schedule sends one activation
+    shape between stages): re-cut at the largest size dividing every given one."""
+    import math
+
+    sizes = [len(m["input_ids"]) for m in micro_batches]
+    if len(set(sizes)) == 1:
+        return micro_batches
+    size = math.gcd(*sizes)
+    out = []
+    for micro in micro_batches:
+        for start in range(0, len(micro["input_ids"]), size):
+            out.append({k: v[start:start + size] for k, v in micro.items()})
+    return out
+
+
 class _Computed:
     """Stands in for a trainer inside a loss function: the log-probs or values of the
     micro-batch the pipeline schedule just computed (the algorithm code asks for them)."""
 
-    def __init__(self, log_probs: torch.Tensor | None, values: torch.Tensor | None):
+    def __init__(self, input_ids: torch.Tensor, log_probs: torch.Tensor | None,
+                 values: torch.Tensor | None):
+        self._input_ids = input_ids
         self._log_probs = log_probs
         self._values = values
 
+    def _check(self, input_ids: torch.Tensor, what: torch.Tensor | None, name: str) -> None:
+        if what is None or (input_ids is not self._input_ids and not torch.equal(
+                input_ids, self._input_ids)):
+            raise NotImplementedError(
+                f"the Megatron backend computes {name} of the micro-batch's input_ids only, "
+                "in its pipeline schedule (a loss over a second input, such as PPO-ptx's "
+                "pretraining batch, needs the torch backend)")
+
     def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        assert self._log_probs is not None
-        return self._log_probs
+        self._check(input_ids, self._log_probs, "log-probs")
+        return self._log_probs  # type: ignore[return-value]
 
     def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
-        assert self._values is not None
-        return self._values
+        self._check(input_ids, self._values, "values")
+        return self._values  # type: ignore[return-value]
 
 
 class MegatronTrainer:
@@ -284,6 +385,7 @@ class MegatronTrainer:
 
         from executor.model import build_model
 
+        initialize_parallel(par, seed)
         self.spec = spec
         self.par = par
         self.value_head = value_head
@@ -348,6 +450,7 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        micro_batches = _equal_micro_batches(micro_batches)
         seq = micro_batches[0]["input_ids"].shape[1]
         size = micro_batches[0]["input_ids"].shape[0]
         value_head = self.value_head
@@ -437,12 +540,18 @@ class MegatronTrainer:
 
         def loss(batch: dict, log_probs: torch.Tensor | None,
                  values: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
-            value, stats = loss_fn(_Computed(log_probs, values), batch)
+            value, stats = loss_fn(_Computed(batch["input_ids"], log_probs, values), batch)
             collected.append({k: float(v) for k, v in stats.items()})
             return value, {}
 
         self._run(batches, forward_only=False, on_output=loss)
         _, grad_norm, _ = self.optimizer.step()
+        if self.par.overlap_param_gather:
+            # Megatron defers the distributed optimizer's parameter all-gather to the next
+            # training forward; inference and the hybrid engine read the parameters before
+            # that, so it completes here.
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
         metrics: dict[str, float] = {}
         if collected:
             for key in collected[0]:
@@ -474,6 +583,17 @@ class MegatronTrainer:
         # Megatron's model-parallel group lists ranks tp fastest, then pp.
         return gather_hf(shards, self.spec, self.par)
 
+    def local_hf_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of every stage it holds, under Hugging Face names (for the
+        3D-HybridEngine)."""
+        stages = [None] if self.par.vpp == 1 else list(range(self.par.vpp))
+        out: dict[str, torch.Tensor] = {}
+        for stage, chunk in zip(stages, self.chunks, strict=True):
+            module = chunk.module if hasattr(chunk, "module") else chunk
+            out.update(local_hf_shards(module, self.spec, self.par, pp_rank=self.pp_rank,
+                                       tp_rank=self.tp_rank, vp_stage=stage))
+        return out
+
     def local_parameters(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for chunk in self.chunks
                 for name, p in chunk.named_parameters()}
@@ -483,7 +603,9 @@ class MegatronTrainer:
                      for p in chunk.parameters())
         grads = 0
         for chunk in self.chunks:
-            for buffer in getattr(chunk, "buffers", []):
+            # DDP's contiguous gradient buffers (frozen models have none).
+            buffers = getattr(chunk, "buffers", None)
+            for buffer in buffers if isinstance(buffers, list) else []:
                 grads += buffer.grad_data.numel() * buffer.grad_data.element_size()
         optimizer = 0
         if self.optimizer is not None:

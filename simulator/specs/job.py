@@ -98,9 +98,9 @@ def _check_pin_layout(pin: RolePin, model: ModelSpec, *, key: str) -> None:
 class RoleBackends:
     """Which executor backends run a role."""
 
-    training: Literal["torch", "megatron"] = "torch"
+    training: Literal["", "torch", "megatron"] = ""
     """torch: FSDP2 + DTensor tensor parallelism; megatron: Megatron-core (3D, distributed
-    optimizer)."""
+    optimizer); left out: the backend the plan names for the role."""
     generation: Literal["native", "vllm"] = "native"
     """Actor only: native batched sampler with a KV cache, or vLLM."""
 

@@ -105,17 +105,18 @@ def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int
                          overlap_param_gather=False)
     trainer = MegatronTrainer(spec, par, value_head=False, seed=0, trainable=True,
                               optim=OptimConfig(lr=1e-3))
-    ids = torch.randint(0, spec.vocab, (8, 10), generator=torch.Generator().manual_seed(2))
-    mine = ids.chunk(dp)[ps.get_data_parallel_rank()]
-    micro = [{"input_ids": part} for part in mine.chunk(2)]
-
     def loss_fn(model, batch):
         log_probs = model.token_log_probs(batch["input_ids"])
         loss = -log_probs.mean()
         return loss, {"loss": loss.detach()}
 
     losses, grad_norms = [], []
-    for _ in range(3):
+    for step in range(3):
+        # A new batch each step (the optimizer must see every rank's shard of each).
+        ids = torch.randint(0, spec.vocab, (8, 10),
+                            generator=torch.Generator().manual_seed(2 + step))
+        mine = ids.chunk(dp)[ps.get_data_parallel_rank()]
+        micro = [{"input_ids": part} for part in mine.chunk(2)]
         stats = trainer.step(micro, loss_fn)
         # The mean over data-parallel ranks of their micro-batch means: the global mean.
         value = torch.tensor([stats["loss"]])

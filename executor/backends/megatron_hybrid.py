@@ -1,0 +1,130 @@
+"""The 3D-HybridEngine on Megatron shards: the actor's training layout (p, t, d) becomes its
+generation layout (p_g = 1, t_g, d_g = p * t / t_g) on the same workers (HybridFlow §5).
+
+A micro-DP group is the ranks of one training replica that hold pieces of the same
+generation shard: the t / t_g consecutive tensor-parallel ranks of generation tp index g, on
+every pipeline stage. Each member broadcasts its pieces to the group (an all-gather of unequal
+parts: stages hold different layers, the first stage the embedding), so every rank receives
+exactly the generation shard minus what it already holds. Megatron keeps its parameters in
+DDP's contiguous buffers, so the generation shard is a second copy beside them (no aliasing as
+in the torch engine); the record counts both.
+
+``full`` (vLLM, which cuts its own shards): the micro-DP group is the whole model-parallel
+group, i.e. generation tp 1, and every rank gets whole tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from executor.device import synchronize
+from executor.generation import tp_shard_dim
+from executor.hybrid_engine import TransitionRecord, make_engine
+from executor.protocols import RankLayout
+from simulator.specs.parallel import GenerationConfig
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MegatronHybridEngine:
+    """The actor's generation side, fed from its MegatronTrainer's shards."""
+
+    def __init__(self, trainer: Any, generation: GenerationConfig, backend: str = "native",
+                 seed: int = 0):
+        par = trainer.par
+        if par.tp % generation.tp:
+            raise ValueError(f"generation tp {generation.tp} must divide training tp {par.tp}")
+        if generation.pp != 1:
+            raise ValueError("the generators run generation pp = 1")
+        self.trainer = trainer
+        self.backend = backend
+        self.mode = "full" if backend == "vllm" else "micro_dp"
+        gather_tp = 1 if self.mode == "full" else generation.tp
+        world = dist.get_world_size()
+        self.layout = RankLayout(world=world, dp=par.dp, tp=par.tp, gen_tp=gather_tp, pp=par.pp)
+        rank = dist.get_rank()
+        self.gen_tp_rank = self.layout.gen_tp_rank(rank)
+        self.micro_dp_rank = self.layout.micro_dp_rank(rank)
+        # The controller splits prompts by generation replica (the generation tp, also when
+        # the gather is whole for vLLM).
+        self.replica = RankLayout(world=world, dp=par.dp, tp=par.tp, gen_tp=generation.tp,
+                                  pp=par.pp).replica_of(rank)
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        micro_groups: dict[tuple[int, int], list[int]] = {}
+        tp_groups: dict[tuple[int, int], list[int]] = {}
+        for r in range(world):
+            dp_index = self.layout.dp_index(r)
+            micro_groups.setdefault((dp_index, self.layout.gen_tp_rank(r)), []).append(r)
+            tp_groups.setdefault((dp_index, self.layout.micro_dp_rank(r)), []).append(r)
+        self.members: list[int] = []
+        self.micro_dp_group = None
+        for _key, ranks in sorted(micro_groups.items()):
+            ranks = sorted(ranks, key=self.layout.micro_dp_rank)
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.members, self.micro_dp_group = ranks, group
+        gen_tp_group = None
+        for _key, ranks in sorted(tp_groups.items()):
+            group = dist.new_group(sorted(ranks, key=self.layout.gen_tp_rank))
+            if rank in ranks:
+                gen_tp_group = group
+        self.engine = make_engine(trainer.spec, generation, backend, seed=seed,
+                                  tp_group=gen_tp_group, tp_rank=self.gen_tp_rank)
+        # What each member contributes: names and shapes are fixed by the layout, so they are
+        # exchanged once.
+        mine = [(name, tuple(t.shape), t.dtype) for name, t in
+                sorted(trainer.local_hf_shards().items())]
+        gathered: list[Any] = [None] * len(self.members)
+        dist.all_gather_object(gathered, (self.layout.coordinates(rank)[2], mine),
+                               group=self.micro_dp_group)
+        self.contributions: list[tuple[int, list]] = gathered
+
+    def to_generation(self) -> TransitionRecord:
+        start = time.perf_counter()
+        rank = dist.get_rank()
+        local = self.trainer.local_hf_shards()
+        training_bytes = sum(_bytes(p) for p in self.trainer.local_parameters().values())
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        received = 0
+        for member, (tp_index, entries) in zip(self.members, self.contributions, strict=True):
+            if member == rank:
+                tensors = [local[name] for name, _, _ in entries]
+            else:
+                sizes = [torch.Size(shape).numel() for _, shape, _ in entries]
+                dtype = entries[0][2] if entries else torch.float32
+                flat = torch.empty(sum(sizes), dtype=dtype, device=next(iter(local.values()))
+                                   .device)
+                if len(self.members) > 1:
+                    dist.broadcast(flat, src=member, group=self.micro_dp_group)
+                received += _bytes(flat)
+                tensors = [part.view(shape) for part, (_, shape, _) in
+                           zip(flat.split(sizes), entries, strict=True)]
+            if member == rank and len(self.members) > 1:
+                flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else \
+                    torch.empty(0)
+                dist.broadcast(flat, src=member, group=self.micro_dp_group)
+            for (name, _, _), tensor in zip(entries, tensors, strict=True):
+                pieces.setdefault(name, []).append((tp_index, tensor))
+        weights: dict[str, torch.Tensor] = {}
+        for name, parts in pieces.items():
+            parts.sort(key=lambda item: item[0])
+            dim = tp_shard_dim(name)
+            weights[name] = parts[0][1] if dim is None or len(parts) == 1 else \
+                torch.cat([t for _, t in parts], dim=dim)
+        self.engine.load(weights)
+        synchronize()
+        generation_bytes = self.engine.weight_bytes()
+        return TransitionRecord(
+            mode=self.mode, seconds=time.perf_counter() - start,
+            bytes_received_per_gpu=received, generation_param_bytes=generation_bytes,
+            peak_param_bytes_per_gpu=training_bytes + generation_bytes,
+            training_param_bytes=training_bytes)
+
+    def to_training(self) -> None:
+        self.engine.unload()
