@@ -404,6 +404,7 @@ class MegatronTrainer:
                       vp_stage=stage)
         del reference, hf
         self.optimizer = None
+        self.defer_param_gather = False
         self.config = self.chunks[0].config
         if trainable:
             self._wrap_for_training(optim)
@@ -420,6 +421,7 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         distributed_optimizer = self.par.sharding == "optimizer" and self.par.dp > 1
+        self.defer_param_gather = self.par.overlap_param_gather and distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=self.par.overlap_grad_reduce,
             overlap_param_gather=self.par.overlap_param_gather and distributed_optimizer,
@@ -546,7 +548,7 @@ class MegatronTrainer:
 
         self._run(batches, forward_only=False, on_output=loss)
         _, grad_norm, _ = self.optimizer.step()
-        if self.par.overlap_param_gather:
+        if self.defer_param_gather:
             # Megatron defers the distributed optimizer's parameter all-gather to the next
             # training forward; inference and the hybrid engine read the parameters before
             # that, so it completes here.

@@ -17,7 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SETUP = "tests.compat.megatron_cpu:install"
 METRIC_TOLERANCE = 1e-4
-"""Relative: fp32 metrics after two PPO iterations of updates at lr 1e-2 (seen: 1e-6)."""
+"""Relative: fp32 metrics after two PPO iterations of updates at lr 1e-2 (seen: 2e-6 on
+grad norms and value losses)."""
+METRIC_ABSOLUTE = 1e-5
+"""Absolute, for metrics near zero: the policy loss is a mean of nearly cancelling terms
+(seen: 1.2e-6 apart on a loss of 6e-3 after pipeline stages reorder the sums)."""
 COMPARED = ("actor_policy_loss", "actor_grad_norm", "actor_clip_fraction", "critic_value_loss",
             "critic_grad_norm", "response_tokens")
 
@@ -63,7 +67,7 @@ def _same_metrics(got: list[dict], expected: list[dict]) -> None:
     for mine, theirs in zip(got, expected, strict=True):
         for key in COMPARED:
             assert float(mine[key]) == pytest.approx(float(theirs[key]), rel=METRIC_TOLERANCE,
-                                                     abs=1e-6), key
+                                                     abs=METRIC_ABSOLUTE), key
 
 
 def _layout(**parallel: object) -> dict:
