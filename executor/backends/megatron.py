@@ -279,12 +279,12 @@ def initialize_parallel(par: ParallelConfig, seed: int) -> None:
 
 
 def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_rank: int,
-                    tp_rank: int, vp_stage: int | None = None,
+                    replicated: bool, vp_stage: int | None = None,
                     ) -> dict[str, torch.Tensor]:
     """This rank's tensor-parallel shards of one stage under Hugging Face names, cut as the
     native generator cuts them (q / k / v by heads, gate / up by rows, o / down by columns,
-    vocabulary rows); replicated tensors (norms) only from tp rank 0, so that a gather over
-    ranks holding different shards never carries a tensor twice."""
+    vocabulary rows); the tensors tensor parallelism leaves whole (norms) only when
+    ``replicated``, so that a gather over ranks holding different shards carries each once."""
     out: dict[str, torch.Tensor] = {}
     groups = spec.kv_heads // par.tp
     per_group, hd = _qkv_rows(spec)
@@ -292,7 +292,7 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
         elif name == "decoder.final_layernorm.weight":
-            if tp_rank == 0:
+            if replicated:
                 out["model.norm.weight"] = t
         elif name == "output_layer.weight":
             if not spec.tied_embeddings:
@@ -301,7 +301,7 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
             _, index, rest = name.split(".", 2)
             p = f"model.layers.{index}."
             if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
-                if tp_rank == 0:
+                if replicated:
                     hf = "input_layernorm" if rest.startswith("input") else \
                         "post_attention_layernorm"
                     out[p + hf + ".weight"] = t
@@ -585,15 +585,15 @@ class MegatronTrainer:
         # Megatron's model-parallel group lists ranks tp fastest, then pp.
         return gather_hf(shards, self.spec, self.par)
 
-    def local_hf_shards(self) -> dict[str, torch.Tensor]:
+    def local_hf_shards(self, replicated: bool) -> dict[str, torch.Tensor]:
         """This rank's shards of every stage it holds, under Hugging Face names (for the
-        3D-HybridEngine)."""
+        3D-HybridEngine); the whole tensors (norms) too when ``replicated``."""
         stages = [None] if self.par.vpp == 1 else list(range(self.par.vpp))
         out: dict[str, torch.Tensor] = {}
         for stage, chunk in zip(stages, self.chunks, strict=True):
             module = chunk.module if hasattr(chunk, "module") else chunk
             out.update(local_hf_shards(module, self.spec, self.par, pp_rank=self.pp_rank,
-                                       tp_rank=self.tp_rank, vp_stage=stage))
+                                       replicated=replicated, vp_stage=stage))
         return out
 
     def local_parameters(self) -> dict[str, torch.Tensor]:

@@ -78,8 +78,12 @@ class MegatronHybridEngine:
                                   tp_group=gen_tp_group, tp_rank=self.gen_tp_rank)
         # What each member contributes: names and shapes are fixed by the layout, so they are
         # exchanged once.
+        # Of the tensor-parallel ranks a stage has in the group, the first brings the tensors
+        # tensor parallelism leaves whole (norms).
+        tp_index = self.layout.coordinates(rank)[2]
+        self.replicated = tp_index % (par.tp // gather_tp) == 0
         mine = [(name, tuple(t.shape), t.dtype) for name, t in
-                sorted(trainer.local_hf_shards().items())]
+                sorted(trainer.local_hf_shards(self.replicated).items())]
         gathered: list[Any] = [None] * len(self.members)
         dist.all_gather_object(gathered, (self.layout.coordinates(rank)[2], mine),
                                group=self.micro_dp_group)
@@ -88,7 +92,7 @@ class MegatronHybridEngine:
     def to_generation(self) -> TransitionRecord:
         start = time.perf_counter()
         rank = dist.get_rank()
-        local = self.trainer.local_hf_shards()
+        local = self.trainer.local_hf_shards(self.replicated)
         training_bytes = sum(_bytes(p) for p in self.trainer.local_parameters().values())
         pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
         received = 0

@@ -74,21 +74,24 @@ def _layout(**parallel: object) -> dict:
     return {"sequence_parallel": False, "micro_batch_size": 1, **parallel}
 
 
-def test_ppo_with_megatron_training_and_vllm_generation_matches_the_torch_backend(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("generation", ["vllm", "native"])
+def test_ppo_with_megatron_training_matches_the_torch_backend(generation: str,
+                                                              tmp_path: Path) -> None:
+    """tp 2, generation tp 2: vLLM takes whole tensors; the native generator each rank's own
+    shard (micro-DP groups of one rank)."""
     par = _layout(tp=2, dp=1, sharding="none")
     roles = {"actor": {"parallel": par, "generation": {"tp": 2}},
              "critic": {"parallel": par}, "ref": {"parallel": par}}
     megatron = _execute(
         _plan(tmp_path, 2, {r: {**v, "training_backend": "megatron"} for r, v in roles.items()}),
-        _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": "vllm"},
+        _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": generation},
                            "critic": {"training": "megatron"}}), tmp_path / "megatron", True)
     reference = _execute(_plan(tmp_path, 2, roles),
-                         _job(tmp_path, 2, {"actor": {"generation": "vllm"}}),
+                         _job(tmp_path, 2, {"actor": {"generation": generation}}),
                          tmp_path / "torch", False)
     _same_metrics(megatron, reference)
     backend = _backends(tmp_path / "megatron")
-    assert backend["actor.generate"] == "vllm"
+    assert backend["actor.generate"] == generation
     assert backend["actor.train"] == backend["critic.train"] == "megatron"
 
 
