@@ -18,8 +18,8 @@ from executor.model import apply_rotary, rotary_tables
 from simulator.specs.model import ModelSpec
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
-          "v_proj.bias", "gate_proj.weight", "up_proj.weight", "lm_head.weight",
-          "embed_tokens.weight")
+          "v_proj.bias", "gate_proj.weight", "up_proj.weight", "gate_proj.bias", "up_proj.bias",
+          "lm_head.weight", "embed_tokens.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
 
 
@@ -53,7 +53,8 @@ class GenerationOutput:
 
 
 class GenerationEngine:
-    """Generates with local shards of a Llama-architecture model."""
+    """Generates with local shards of a model built by ``executor.model`` (Llama- or
+    GPT-style)."""
 
     def __init__(self, spec: ModelSpec, tp_group: dist.ProcessGroup | None = None,
                  tp_size: int = 1, tp_rank: int = 0):
@@ -100,13 +101,24 @@ class GenerationEngine:
         x = F.embedding(local.clamp(0, rows - 1), table) * inside[..., None]
         return self._all_reduce(x)
 
-    @staticmethod
-    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RMSNorm, or LayerNorm when the norm has a bias (``name`` without ``.weight``)."""
+        weight = self.weights[name + ".weight"]
+        bias = self.weights.get(name + ".bias")
+        eps = self.spec.norm_eps
+        if self.spec.norm == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         bias = self.weights.get(name.replace(".weight", ".bias"))
         return F.linear(x, self.weights[name], bias)
+
+    def _row_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A row-parallel layer: partial sums all-reduced, then the (whole) bias once."""
+        out = self._all_reduce(F.linear(x, self.weights[name]))
+        bias = self.weights.get(name.replace(".weight", ".bias"))
+        return out if bias is None else out + bias
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  cache: list[list[torch.Tensor]], filled: int) -> torch.Tensor:
@@ -115,16 +127,20 @@ class GenerationEngine:
         hd = spec.head_dim_value
         batch, new = tokens.shape
         x = self._embed(tokens)
+        if spec.learned_positions:
+            x = x + F.embedding(positions, self.weights["model.embed_positions.weight"])
         cos, sin = rotary_tables(positions, hd, spec.rope_theta, x.dtype)
         for i in range(spec.layers):
             p = f"model.layers.{i}."
-            h = self._norm(x, self.weights[p + "input_layernorm.weight"], spec.norm_eps)
+            h = self._norm(x, p + "input_layernorm")
             q = self._linear(h, p + "self_attn.q_proj.weight")
             k = self._linear(h, p + "self_attn.k_proj.weight")
             v = self._linear(h, p + "self_attn.v_proj.weight")
             heads, kv_heads = q.shape[-1] // hd, k.shape[-1] // hd
-            q = apply_rotary(q.view(batch, new, heads, hd).transpose(1, 2), cos, sin)
-            k = apply_rotary(k.view(batch, new, kv_heads, hd).transpose(1, 2), cos, sin)
+            q = q.view(batch, new, heads, hd).transpose(1, 2)
+            k = k.view(batch, new, kv_heads, hd).transpose(1, 2)
+            if not spec.learned_positions:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.view(batch, new, kv_heads, hd).transpose(1, 2)
             cache[i][0][:, :, filled:filled + new] = k
             cache[i][1][:, :, filled:filled + new] = v
@@ -132,14 +148,16 @@ class GenerationEngine:
             values = cache[i][1][:, :, :filled + new]
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=filled == 0,
                                                  enable_gqa=heads != kv_heads)
-            out = F.linear(out.transpose(1, 2).reshape(batch, new, heads * hd),
-                           self.weights[p + "self_attn.o_proj.weight"])
-            x = x + self._all_reduce(out)
-            h = self._norm(x, self.weights[p + "post_attention_layernorm.weight"], spec.norm_eps)
-            mlp = F.silu(self._linear(h, p + "mlp.gate_proj.weight")) * \
-                self._linear(h, p + "mlp.up_proj.weight")
-            x = x + self._all_reduce(F.linear(mlp, self.weights[p + "mlp.down_proj.weight"]))
-        x = self._norm(x[:, -1], self.weights["model.norm.weight"], spec.norm_eps)
+            x = x + self._row_linear(out.transpose(1, 2).reshape(batch, new, heads * hd),
+                                     p + "self_attn.o_proj.weight")
+            h = self._norm(x, p + "post_attention_layernorm")
+            if spec.mlp == "swiglu":
+                mlp = F.silu(self._linear(h, p + "mlp.gate_proj.weight")) * \
+                    self._linear(h, p + "mlp.up_proj.weight")
+            else:
+                mlp = F.gelu(self._linear(h, p + "mlp.up_proj.weight"))
+            x = x + self._row_linear(mlp, p + "mlp.down_proj.weight")
+        x = self._norm(x[:, -1], "model.norm")
         head = self.weights.get("lm_head.weight", self.weights["model.embed_tokens.weight"])
         return self._all_gather_last(F.linear(x, head))
 

@@ -1,6 +1,9 @@
-"""Llama-architecture causal language models built from a ModelSpec (torch).
+"""Causal language models built from a ModelSpec (torch): Llama-style (RMSNorm, SwiGLU,
+rotary positions, GQA) and GPT-style (LayerNorm, GELU, biases, learned positions).
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` so local checkpoints load by name.
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` so local checkpoints load by name;
+GPT-style models use the same names plus ``.bias`` where they have biases and
+``model.embed_positions.weight`` for learned positions (no ``gate_proj``).
 Modules read their head counts from their weights' shapes at run time, so the same code runs
 unsharded, under DTensor tensor parallelism (local shards) and in the generation engine.
 Critic, reward and cost models replace the language-model head with a scalar ``value_head``.
@@ -20,20 +23,11 @@ from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec
 
 
-def check_supported(spec: ModelSpec) -> None:
-    """The executor builds Llama-architecture models only (SwiGLU, RMSNorm, rotary)."""
-    problems = []
-    if spec.mlp != "swiglu":
-        problems.append("mlp must be swiglu")
-    if spec.norm != "rmsnorm":
-        problems.append("norm must be rmsnorm")
-    if spec.learned_positions:
-        problems.append("learned positions are not supported (rotary only)")
-    if spec.linear_bias:
-        problems.append("linear biases are not supported")
-    if problems:
-        raise SpecError(f"the executor builds Llama-architecture models; {spec.name}: "
-                        + "; ".join(problems), key="models")
+def make_norm(spec: ModelSpec) -> nn.Module:
+    """RMSNorm (weight) or LayerNorm (weight and bias), as the spec says."""
+    if spec.norm == "layernorm":
+        return nn.LayerNorm(spec.hidden, eps=spec.norm_eps)
+    return RMSNorm(spec.hidden, spec.norm_eps)
 
 
 class RMSNorm(nn.Module):
@@ -70,10 +64,12 @@ class Attention(nn.Module):
         h, hd = spec.hidden, spec.head_dim_value
         self.head_dim = hd
         self.theta = spec.rope_theta
-        self.q_proj = nn.Linear(h, spec.heads * hd, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.heads * hd, h, bias=False)
+        self.rotary = not spec.learned_positions
+        qkv_bias = spec.qkv_bias or spec.linear_bias
+        self.q_proj = nn.Linear(h, spec.heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(spec.heads * hd, h, bias=spec.linear_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
@@ -85,29 +81,37 @@ class Attention(nn.Module):
         q = q.view(batch, tokens, heads, hd).transpose(1, 2)
         k = k.view(batch, tokens, kv_heads, hd).transpose(1, 2)
         v = v.view(batch, tokens, kv_heads, hd).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.rotary:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, heads * hd))
 
 
 class MLP(nn.Module):
+    """SwiGLU (gate, up, down) or GELU (up, down; exact erf GELU, as Megatron's)."""
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
-        self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+        bias = spec.linear_bias
+        self.gated = spec.mlp == "swiglu"
+        if self.gated:
+            self.gate_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=bias)
+        self.up_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=bias)
+        self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gated:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x)))
 
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.input_layernorm = make_norm(spec)
         self.self_attn = Attention(spec)
-        self.post_attention_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.post_attention_layernorm = make_norm(spec)
         self.mlp = MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,8 +123,10 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab, spec.hidden)
+        if spec.learned_positions:
+            self.embed_positions = nn.Embedding(spec.learned_positions, spec.hidden)
         self.layers = nn.ModuleList(Block(spec) for _ in range(spec.layers))
-        self.norm = RMSNorm(spec.hidden, spec.norm_eps)
+        self.norm = make_norm(spec)
 
 
 class CausalLM(nn.Module):
@@ -128,7 +134,6 @@ class CausalLM(nn.Module):
 
     def __init__(self, spec: ModelSpec, *, value_head: bool = False):
         super().__init__()
-        check_supported(spec)
         self.spec = spec
         self.is_value_model = value_head
         self.model = Decoder(spec)
@@ -143,6 +148,8 @@ class CausalLM(nn.Module):
         batch, tokens = input_ids.shape
         positions = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
         x = self.model.embed_tokens(input_ids)
+        if self.spec.learned_positions:
+            x = x + self.model.embed_positions(positions)
         cos, sin = rotary_tables(positions, self.spec.head_dim_value, self.spec.rope_theta,
                                  x.dtype)
         for layer in self.model.layers:

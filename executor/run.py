@@ -88,6 +88,10 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "
                             f"tp={rp.parallel.tp} (3D-HybridEngine)",
                             key=f"roles.{role}.generation.tp")
+        longest = options.task.prompt_length + options.task.response_length + 1
+        if spec.learned_positions and spec.learned_positions < longest:
+            raise SpecError(f"{spec.name} has {spec.learned_positions} learned positions; the "
+                            f"task's sequences reach {longest} tokens", key=f"models.{role}")
         if spec.vocab < options.task.vocab_needed:
             raise SpecError(f"{spec.name} has {spec.vocab} tokens; the task needs "
                             f"{options.task.vocab_needed}", key=f"models.{role}")

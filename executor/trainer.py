@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from executor.device import mesh_device_type, worker_device
-from executor.model import CausalLM, build_model, check_supported
+from executor.model import CausalLM, build_model
 from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
@@ -36,7 +36,6 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 def check_layout(spec: ModelSpec, par: ParallelConfig, key: str,
                  generation: GenerationConfig | None = None) -> None:
     """Reject layouts the torch backend cannot run, naming the setting."""
-    check_supported(spec)
     if par.pp != 1 or par.vpp != 1:
         raise SpecError(f"pp={par.pp} needs pipeline parallelism, which the torch (FSDP2 / "
                         "DTensor) backend does not run; use pp: 1 (plan with --backend fsdp)",
@@ -71,9 +70,10 @@ def tensor_parallel_plan(spec: ModelSpec, value_head: bool) -> dict:
         plan.update({
             p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
             p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
-            p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
-            p + "mlp.down_proj": RowwiseParallel(),
+            p + "mlp.up_proj": ColwiseParallel(), p + "mlp.down_proj": RowwiseParallel(),
         })
+        if spec.mlp == "swiglu":
+            plan[p + "mlp.gate_proj"] = ColwiseParallel()
     return plan
 
 

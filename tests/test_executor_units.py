@@ -52,13 +52,19 @@ def test_model_matches_hugging_face_llama(tmp_path: Path) -> None:
 def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"no \*.safetensors files"):
         build_model(MODEL_PRESETS["tiny-2l"], checkpoint=tmp_path)
-    gpt = MODEL_PRESETS["gpt-6.7b"]
-    with pytest.raises(SpecError, match="mlp must be swiglu"):
-        build_model(gpt)
 
 
-def test_generation_log_probs_are_the_models_and_tp_shards_agree() -> None:
-    spec = MODEL_PRESETS["tiny-4l"]
+@pytest.mark.parametrize("preset", ["tiny-4l", "tiny-gpt-2l"])
+def test_models_have_the_specs_parameter_count(preset: str) -> None:
+    spec = MODEL_PRESETS[preset]
+    for value_head in (False, True):
+        model = build_model(spec, value_head=value_head)
+        assert sum(p.numel() for p in model.parameters()) == spec.params(value_head=value_head)
+
+
+@pytest.mark.parametrize("preset", ["tiny-4l", "tiny-gpt-2l"])
+def test_generation_log_probs_are_the_models_and_tp_shards_agree(preset: str) -> None:
+    spec = MODEL_PRESETS[preset]
     model = build_model(spec, seed=1).eval()
     weights = {n: p.detach() for n, p in model.named_parameters()}
     engine = GenerationEngine(spec)

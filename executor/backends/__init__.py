@@ -65,9 +65,6 @@ def megatron_installed() -> bool:
 
 def check_megatron_layout(spec: Any, par: Any, key: str, generation: Any = None) -> None:
     """Reject layouts the Megatron backend cannot run, naming the setting."""
-    from executor.model import check_supported
-
-    check_supported(spec)
     if par.sharding == "fsdp":
         raise SpecError("Megatron-core shards optimizer states (sharding: optimizer), not "
                         "FSDP-style; use the torch backend for sharding: fsdp",

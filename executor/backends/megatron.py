@@ -25,16 +25,19 @@ from simulator.specs.parallel import ParallelConfig
 
 def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
                        dtype: torch.dtype = torch.float32) -> Any:
-    """Megatron's TransformerConfig of a Llama-architecture ModelSpec under ``par``."""
+    """Megatron's TransformerConfig of a ModelSpec under ``par``: Llama-style (RMSNorm,
+    SwiGLU) or GPT-style (LayerNorm, GELU, biases)."""
     import torch.nn.functional as F  # noqa: N812
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    gated = spec.mlp == "swiglu"
     return TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn_hidden,
         num_attention_heads=spec.heads, num_query_groups=spec.kv_heads,
-        kv_channels=spec.head_dim_value, normalization="RMSNorm",
-        layernorm_epsilon=spec.norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0,
+        kv_channels=spec.head_dim_value, normalization=_norm_name(spec),
+        layernorm_epsilon=spec.norm_eps, gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu,
+        add_bias_linear=spec.linear_bias, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
@@ -47,6 +50,10 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, deallocate_pipeline_outputs=False)
+
+
+def _norm_name(spec: ModelSpec) -> str:
+    return "LayerNorm" if spec.norm == "layernorm" else "RMSNorm"
 
 
 class ValueHead(torch.nn.Module):
@@ -90,12 +97,13 @@ def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank
     chunks = par.pp * par.vpp
     chunk = (vp_stage or 0) * par.pp + pp_rank
     model = GPTModel(
-        config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=spec.vocab, max_sequence_length=spec.max_seq_len,
+        config, transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization=_norm_name(spec)),
+        vocab_size=spec.vocab, max_sequence_length=spec.learned_positions or spec.max_seq_len,
         pre_process=chunk == 0, post_process=chunk == chunks - 1,
         share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
-        position_embedding_type="rope", rotary_base=int(spec.rope_theta),
-        vp_stage=vp_stage)
+        position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
+        rotary_base=int(spec.rope_theta), vp_stage=vp_stage)
     if value_head and model.post_process:
         model.output_layer = ValueHead(spec.hidden, sequence_parallel=config.sequence_parallel)
     return model
@@ -149,26 +157,39 @@ def import_hf(model: Any, hf: dict[str, torch.Tensor], spec: ModelSpec, par: Par
         return t.chunk(tp, dim=1)[tp_rank]
 
     values: dict[str, torch.Tensor] = {}
+    norm_parts = ("weight", "bias") if spec.norm == "layernorm" else ("weight",)
+    gated = spec.mlp == "swiglu"
     if model.pre_process:
         values["embedding.word_embeddings.weight"] = column(hf["model.embed_tokens.weight"])
+        if spec.learned_positions:
+            values["embedding.position_embeddings.weight"] = hf["model.embed_positions.weight"]
     for local, index in enumerate(layers):
         p, m = f"model.layers.{index}.", f"decoder.layers.{local}."
-        values[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        for part in norm_parts:
+            values[m + f"input_layernorm.{part}"] = hf[p + f"input_layernorm.{part}"]
+            values[m + f"pre_mlp_layernorm.{part}"] = hf[p + f"post_attention_layernorm.{part}"]
         values[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
             spec, hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
             hf[p + "self_attn.v_proj.weight"], tp, tp_rank)
-        if spec.qkv_bias:
+        if spec.qkv_bias or spec.linear_bias:
             values[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 spec, hf[p + "self_attn.q_proj.bias"][:, None],
                 hf[p + "self_attn.k_proj.bias"][:, None],
                 hf[p + "self_attn.v_proj.bias"][:, None], tp, tp_rank)[:, 0]
         values[m + "self_attention.linear_proj.weight"] = row(hf[p + "self_attn.o_proj.weight"])
-        values[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        fc1 = ("gate_proj", "up_proj") if gated else ("up_proj",)
         values[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [column(hf[p + "mlp.gate_proj.weight"]), column(hf[p + "mlp.up_proj.weight"])])
+            [column(hf[p + f"mlp.{n}.weight"]) for n in fc1])
         values[m + "mlp.linear_fc2.weight"] = row(hf[p + "mlp.down_proj.weight"])
+        if spec.linear_bias:
+            # Row-parallel biases are whole on every rank (added once after the reduce).
+            values[m + "self_attention.linear_proj.bias"] = hf[p + "self_attn.o_proj.bias"]
+            values[m + "mlp.linear_fc1.bias"] = torch.cat(
+                [column(hf[p + f"mlp.{n}.bias"]) for n in fc1])
+            values[m + "mlp.linear_fc2.bias"] = hf[p + "mlp.down_proj.bias"]
     if model.post_process:
-        values["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        for part in norm_parts:
+            values[f"decoder.final_layernorm.{part}"] = hf[f"model.norm.{part}"]
         if isinstance(model.output_layer, ValueHead):
             values["output_layer.linear.weight"] = hf["value_head.weight"]
             values["output_layer.linear.bias"] = hf["value_head.bias"]
@@ -202,6 +223,18 @@ def export_local(model: Any, spec: ModelSpec, par: ParallelConfig, *, pp_rank: i
     return out
 
 
+def _fc1_parts(spec: ModelSpec, hf: dict[str, torch.Tensor], prefix: str,
+               parts: list[torch.Tensor], kind: str) -> None:
+    """Whole gate / up (SwiGLU: each rank's rows are its gate shard, then its up shard) or
+    up (GELU) tensors from every rank's ``linear_fc1`` shard."""
+    if spec.mlp != "swiglu":
+        hf[prefix + f"mlp.up_proj.{kind}"] = torch.cat(parts)
+        return
+    gates, ups = zip(*(part.chunk(2) for part in parts), strict=True)
+    hf[prefix + f"mlp.gate_proj.{kind}"] = torch.cat(gates)
+    hf[prefix + f"mlp.up_proj.{kind}"] = torch.cat(ups)
+
+
 def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
               par: ParallelConfig) -> dict[str, torch.Tensor]:
     """Whole Hugging Face tensors from every (tp rank, pp stage) shard dict; ranks listed in
@@ -216,8 +249,10 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
         parts = parts[:tp] if len(parts) > tp else parts  # tied copies on several stages
         if name == "embedding.word_embeddings.weight":
             hf["model.embed_tokens.weight"] = torch.cat(parts)
-        elif name == "decoder.final_layernorm.weight":
-            hf["model.norm.weight"] = parts[0]
+        elif name == "embedding.position_embeddings.weight":
+            hf["model.embed_positions.weight"] = parts[0]
+        elif name.startswith("decoder.final_layernorm."):
+            hf["model.norm." + name.rsplit(".", 1)[1]] = parts[0]
         elif name == "output_layer.weight":
             if not spec.tied_embeddings:
                 hf["lm_head.weight"] = torch.cat(parts)
@@ -228,10 +263,16 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
         elif name.startswith("layer."):
             _, index, rest = name.split(".", 2)
             p = f"model.layers.{index}."
-            if rest == "input_layernorm.weight":
-                hf[p + "input_layernorm.weight"] = parts[0]
-            elif rest == "pre_mlp_layernorm.weight":
-                hf[p + "post_attention_layernorm.weight"] = parts[0]
+            if rest.startswith("input_layernorm."):
+                hf[p + rest] = parts[0]
+            elif rest.startswith("pre_mlp_layernorm."):
+                hf[p + "post_attention_layernorm." + rest.rsplit(".", 1)[1]] = parts[0]
+            elif rest == "self_attention.linear_proj.bias":
+                hf[p + "self_attn.o_proj.bias"] = parts[0]
+            elif rest == "mlp.linear_fc2.bias":
+                hf[p + "mlp.down_proj.bias"] = parts[0]
+            elif rest == "mlp.linear_fc1.bias":
+                _fc1_parts(spec, hf, p, parts, "bias")
             elif rest == "self_attention.linear_qkv.weight":
                 q, k, v = split_qkv(spec, torch.cat(parts))
                 hf[p + "self_attn.q_proj.weight"] = q
@@ -245,9 +286,7 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
             elif rest == "self_attention.linear_proj.weight":
                 hf[p + "self_attn.o_proj.weight"] = torch.cat(parts, dim=1)
             elif rest == "mlp.linear_fc1.weight":
-                gates, ups = zip(*(part.chunk(2) for part in parts), strict=True)
-                hf[p + "mlp.gate_proj.weight"] = torch.cat(gates)
-                hf[p + "mlp.up_proj.weight"] = torch.cat(ups)
+                _fc1_parts(spec, hf, p, parts, "weight")
             elif rest == "mlp.linear_fc2.weight":
                 hf[p + "mlp.down_proj.weight"] = torch.cat(parts, dim=1)
     return hf
@@ -291,20 +330,27 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
     for name, t in export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage).items():
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
-        elif name == "decoder.final_layernorm.weight":
+        elif name == "embedding.position_embeddings.weight":
             if replicated:
-                out["model.norm.weight"] = t
+                out["model.embed_positions.weight"] = t
+        elif name.startswith("decoder.final_layernorm."):
+            if replicated:
+                out["model.norm." + name.rsplit(".", 1)[1]] = t
         elif name == "output_layer.weight":
             if not spec.tied_embeddings:
                 out["lm_head.weight"] = t
         elif name.startswith("layer."):
             _, index, rest = name.split(".", 2)
             p = f"model.layers.{index}."
-            if rest in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+            if rest.startswith(("input_layernorm.", "pre_mlp_layernorm.")):
                 if replicated:
                     hf = "input_layernorm" if rest.startswith("input") else \
                         "post_attention_layernorm"
-                    out[p + hf + ".weight"] = t
+                    out[p + hf + "." + rest.rsplit(".", 1)[1]] = t
+            elif rest in ("self_attention.linear_proj.bias", "mlp.linear_fc2.bias"):
+                if replicated:
+                    hf = "self_attn.o_proj" if rest.startswith("self") else "mlp.down_proj"
+                    out[p + hf + ".bias"] = t
             elif rest.startswith("self_attention.linear_qkv."):
                 kind = rest.rsplit(".", 1)[1]
                 rows = t if kind == "weight" else t[:, None]
@@ -321,10 +367,14 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
                         else whole[:, 0]
             elif rest == "self_attention.linear_proj.weight":
                 out[p + "self_attn.o_proj.weight"] = t
-            elif rest == "mlp.linear_fc1.weight":
-                gate, up = t.chunk(2)
-                out[p + "mlp.gate_proj.weight"] = gate
-                out[p + "mlp.up_proj.weight"] = up
+            elif rest.startswith("mlp.linear_fc1."):
+                kind = rest.rsplit(".", 1)[1]
+                if spec.mlp == "swiglu":
+                    gate, up = t.chunk(2)
+                    out[p + f"mlp.gate_proj.{kind}"] = gate
+                    out[p + f"mlp.up_proj.{kind}"] = up
+                else:
+                    out[p + f"mlp.up_proj.{kind}"] = t
             elif rest == "mlp.linear_fc2.weight":
                 out[p + "mlp.down_proj.weight"] = t
     return out

@@ -86,5 +86,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # Heads of 32 dimensions, the smallest vLLM's CPU attention supports
     # (vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes).
     "tiny-2l-hd32": _llama("tiny-2l-hd32", 2, 128, 256, 4, 2, 64, 256, tied=True),
+    # GPT-style test model (LayerNorm, GELU, biases, learned positions, tied head).
+    "tiny-gpt-2l": ModelSpec(name="tiny-gpt-2l", layers=2, hidden=64, ffn_hidden=256, heads=4,
+                             kv_heads=4, vocab=64, mlp="gelu", tied_embeddings=True,
+                             linear_bias=True, norm="layernorm", dropout=False,
+                             learned_positions=64, max_seq_len=64),
 }
 """Preset name -> ModelSpec."""

@@ -30,7 +30,7 @@ def setup(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1) -> N
 
 
 def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
-                             out: str) -> None:
+                             out: str, preset: str = "tiny-4l") -> None:
     """Forward log-probs of a batch through the pipeline schedule, and the weights exported
     back to Hugging Face names, against the torch model they were imported from."""
     setup(rank, world, port, tp, pp)
@@ -43,8 +43,14 @@ def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
     from simulator.specs.parallel import ParallelConfig
     from simulator.specs.presets import MODEL_PRESETS
 
-    spec = MODEL_PRESETS["tiny-4l"]
+    spec = MODEL_PRESETS[preset]
     reference = build_model(spec, seed=0)
+    # Random (not unit / zero) norms and biases, so that a misplaced one shows.
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(5)
+        for name, param in reference.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     hf = {k: v.detach() for k, v in reference.state_dict().items()}
     par = ParallelConfig(tp=tp, pp=pp, dp=world // (tp * pp), sequence_parallel=False)
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()

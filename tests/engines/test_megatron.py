@@ -23,12 +23,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize(("preset", "tp", "pp"), [
+    ("tiny-4l", 1, 1), ("tiny-4l", 2, 1), ("tiny-4l", 1, 2), ("tiny-4l", 2, 2),
+    # GPT-style: LayerNorm, GELU, biases, learned positions.
+    ("tiny-gpt-2l", 1, 1), ("tiny-gpt-2l", 2, 2)])
 def test_layouts_compute_the_torch_models_log_probs_and_export_its_weights(
-        tp: int, pp: int, tmp_path: Path) -> None:
+        preset: str, tp: int, pp: int, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     mp.start_processes(megatron_workers.log_probs_and_round_trip,
-                       args=(tp * pp, free_port(), tp, pp, str(out)), nprocs=tp * pp,
+                       args=(tp * pp, free_port(), tp, pp, str(out), preset), nprocs=tp * pp,
                        start_method="spawn")
     result = json.loads(out.read_text())
     assert result["max_log_prob_error"] < LOG_PROB_TOLERANCE

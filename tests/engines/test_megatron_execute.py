@@ -26,11 +26,11 @@ COMPARED = ("actor_policy_loss", "actor_grad_norm", "actor_clip_fraction", "crit
             "critic_grad_norm", "response_tokens")
 
 
-def _job(tmp_path: Path, gpus: int, backends: dict) -> Path:
+def _job(tmp_path: Path, gpus: int, backends: dict, model: str = "tiny-2l-hd32") -> Path:
     job = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.json"
     job.write_text(json.dumps({
-        "algorithm": "ppo", "models": {"actor": "tiny-2l-hd32", "critic": "tiny-2l-hd32",
-                                       "ref": "tiny-2l-hd32", "reward": "rule"},
+        "algorithm": "ppo", "models": {"actor": model, "critic": model, "ref": model,
+                                       "reward": "rule"},
         "cluster": {"nodes": 1, "gpus_per_node": gpus}, "backends": backends,
         "workload": {"prompts_per_iteration": 8, "prompt_length": 5, "response_length": 5,
                      "mini_batches_per_epoch": 2, "train_micro_batch_size": 1,
@@ -74,20 +74,24 @@ def _layout(**parallel: object) -> dict:
     return {"sequence_parallel": False, "micro_batch_size": 1, **parallel}
 
 
-@pytest.mark.parametrize("generation", ["vllm", "native"])
-def test_ppo_with_megatron_training_matches_the_torch_backend(generation: str,
+@pytest.mark.parametrize(("generation", "model"), [("vllm", "tiny-2l-hd32"),
+                                                 ("native", "tiny-2l-hd32"),
+                                                 ("native", "tiny-gpt-2l")])
+def test_ppo_with_megatron_training_matches_the_torch_backend(generation: str, model: str,
                                                               tmp_path: Path) -> None:
     """tp 2, generation tp 2: vLLM takes whole tensors; the native generator each rank's own
-    shard (micro-DP groups of one rank)."""
+    shard (micro-DP groups of one rank). tiny-gpt-2l is GPT-style (LayerNorm, GELU, biases,
+    learned positions)."""
     par = _layout(tp=2, dp=1, sharding="none")
     roles = {"actor": {"parallel": par, "generation": {"tp": 2}},
              "critic": {"parallel": par}, "ref": {"parallel": par}}
     megatron = _execute(
         _plan(tmp_path, 2, {r: {**v, "training_backend": "megatron"} for r, v in roles.items()}),
         _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": generation},
-                           "critic": {"training": "megatron"}}), tmp_path / "megatron", True)
+                           "critic": {"training": "megatron"}}, model), tmp_path / "megatron",
+        True)
     reference = _execute(_plan(tmp_path, 2, roles),
-                         _job(tmp_path, 2, {"actor": {"generation": generation}}),
+                         _job(tmp_path, 2, {"actor": {"generation": generation}}, model),
                          tmp_path / "torch", False)
     _same_metrics(megatron, reference)
     backend = _backends(tmp_path / "megatron")
