@@ -47,6 +47,9 @@ class ExecutionOptions:
     worker_setup: str | None = None
     """``module:function`` every worker imports and calls before building models
     (site-specific preparation)."""
+    worker_logs: bool | None = None
+    """Show the workers' output (CUDA and NCCL messages, out-of-memory reports) on the
+    driver's stderr; None: on with ``address``, off for a local Ray."""
 
 
 @dataclass(frozen=True)
@@ -169,13 +172,35 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
     return configs
 
 
-def _start_ray(plan: Plan, address: str | None) -> tuple[Any, bool]:
+PACKAGES = ("executor", "simulator", "profiles", "planner", "reports")
+"""The project's packages, shipped to a cluster's workers (``runtime_env`` ``py_modules``)."""
+FORWARDED_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "CUDA_LAUNCH_",
+                          "HF_", "VLLM_")
+"""Environment variables of the driver that workers on other nodes receive too."""
+
+
+def cluster_runtime_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """What a Ray cluster's workers need, whatever their node has: the project's code (its
+    packages, uploaded once per run and put first on the workers' path) and the
+    communication settings of the driver's environment."""
+    environ = dict(os.environ if environ is None else environ)
+    root = Path(__file__).resolve().parents[1]
+    env_vars = {"OMP_NUM_THREADS": "1"}
+    env_vars.update({k: v for k, v in environ.items()
+                     if k.startswith(FORWARDED_ENV_PREFIXES)})
+    return {"py_modules": [str(root / name) for name in PACKAGES],
+            "env_vars": env_vars}
+
+
+def _start_ray(plan: Plan, address: str | None,
+               worker_logs: bool | None = None) -> tuple[Any, bool]:
     import ray
 
     if ray.is_initialized():
         started = False
     elif address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, runtime_env=cluster_runtime_env(),
+                 log_to_driver=True if worker_logs is None else worker_logs)
         started = True
     else:
         import torch
@@ -185,7 +210,8 @@ def _start_ray(plan: Plan, address: str | None) -> tuple[Any, bool]:
         # CUDA_VISIBLE_DEVICES then behave as on a GPU cluster. Real GPUs are Ray's to count.
         real_gpus = torch.cuda.device_count()
         ray.init(num_gpus=None if real_gpus else gpus,
-                 num_cpus=max(2, gpus + 2), include_dashboard=False, log_to_driver=False,
+                 num_cpus=max(2, gpus + 2), include_dashboard=False,
+                 log_to_driver=bool(worker_logs),
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1",
                                            "PYTHONPATH": os.pathsep.join(_python_path())}})
         started = True
@@ -219,12 +245,13 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     configs = role_configs(job, plan, options)
     say = options.log or (lambda _message: None)
     started_at = time.time()
-    ray, started_ray = _start_ray(plan, options.address)
+    ray, started_ray = _start_ray(plan, options.address, options.worker_logs)
     groups: list[WorkerGroup] = []
     try:
         say(f"starting {plan.total_gpus} workers in {len(plan.sets)} colocated set(s)")
         groups = [WorkerGroup(ray, i, s, options.worker_setup)
                   for i, s in enumerate(plan.sets)]
+        worker_code = ray.get(groups[0].workers[0].code_location.remote())
         for role in job.gpu_roles:
             if plan.roles[role].parallel.tp > 1:
                 groups[plan.set_index(role)].check_groups_share_nodes(
@@ -300,6 +327,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
+                    "worker_code": worker_code,
                     "ray_address": options.address or (
                         "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
             write_run(options.out, rows, metrics, meta, plan)

@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +85,21 @@ class SetWorker:
 
     def has_gpu(self) -> bool:
         return has_gpu()
+
+    def code_location(self) -> dict[str, Any]:
+        """Where this worker imported the executor from, and the copies of the project's
+        packages Ray unpacked for this job onto its path (``runtime_env`` ``py_modules``;
+        an editable install on the node takes precedence over them)."""
+        import sys
+
+        import executor
+
+        shipped = [p for p in sys.path if "runtime_resources" in p]
+        return {"executor": str(Path(executor.__file__).resolve().parent),
+                "shipped": sorted(p for p in shipped
+                                  if any(Path(p).glob("*/__init__.py"))),
+                "communication_env": {k: v for k, v in os.environ.items()
+                                      if k.startswith(("NCCL_", "GLOO_"))}}
 
     def build(self, config: RoleConfig) -> dict[str, Any]:
         start = time.perf_counter()

@@ -698,10 +698,13 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
               help="A function every worker imports and calls before it builds models "
                    "(site-specific preparation; the CPU tests pass their Megatron "
                    "compatibility layer this way).")
+@click.option("--worker-logs/--no-worker-logs", default=None,
+              help="Show the workers' output on stderr (default: on with --address).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
-            rl_settings: tuple[str, ...], worker_setup: str | None, as_json: bool) -> None:
+            rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
+            as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -720,6 +723,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                transition=transition,  # type: ignore[arg-type]
                                actor_lr=lr, critic_lr=lr, reward_warmup_steps=reward_warmup,
                                rl=_rl_config(rl_settings), worker_setup=worker_setup,
+                               worker_logs=worker_logs,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)

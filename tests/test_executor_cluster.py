@@ -1,0 +1,105 @@
+"""``hybridflow execute --address`` against a Ray cluster started elsewhere (CPU, virtual
+GPUs): the cluster's workers do not share the driver's directory or PYTHONPATH, so they run
+only if the executor ships its code and environment the way Ray intends (``runtime_env``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture()
+def separate_cluster(tmp_path: Path):
+    """A ``ray start --head`` cluster with 2 virtual GPUs, started from an empty directory
+    with no PYTHONPATH (stopped by its PID at the end)."""
+    ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent))
+    assert ray_cli is not None
+    port = _free_port()
+    # No token authentication: the test's clients carry no token.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    home = tmp_path / "elsewhere"
+    home.mkdir()
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-gpus=2",
+         "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
+        cwd=home, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while subprocess.run([ray_cli, "status", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert head.poll() is None, "ray start --head exited"
+            assert time.time() < deadline, "the Ray head did not come up in 120 s"
+            time.sleep(2)
+        yield address
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+
+
+def test_execute_ships_code_and_environment_to_a_cluster(separate_cluster: str,
+                                                         tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({
+        "algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
+        "cluster": {"nodes": 1, "gpus_per_node": 2},
+        "workload": {"prompts_per_iteration": 4, "samples_per_prompt": 2,
+                     "mini_batches_per_epoch": 2}}))
+    plan = tmp_path / "plan.json"
+    par = {"tp": 1, "dp": 2, "sharding": "none", "sequence_parallel": False}
+    plan.write_text(json.dumps({
+        "format": "hybridflow-plan", "version": 1, "algorithm": "grpo",
+        "sets": [{"roles": ["actor", "ref"], "gpus": 2}],
+        "roles": {"actor": {"parallel": par, "generation": {"tp": 1}},
+                  "ref": {"parallel": par}}}))
+    out = tmp_path / "run"
+    env = {**os.environ, "NCCL_DEBUG": "WARN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
+         "--steps", "1", "--out", str(out), "--reward-warmup", "0",
+         "--address", separate_cluster], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    meta = json.loads((out / "meta.json").read_text())
+    # Ray unpacked a copy of every package of the project onto the workers' path (this
+    # machine's editable install still wins the import, which a cluster node lacks).
+    from executor.run import PACKAGES
+
+    shipped = {package.name for directory in meta["worker_code"]["shipped"]
+               for package in Path(directory).iterdir() if (package / "__init__.py").exists()}
+    assert shipped == set(PACKAGES)
+    assert meta["worker_code"]["communication_env"]["NCCL_DEBUG"] == "WARN"
+    assert meta["ray_address"] == separate_cluster
+
+
+def test_cluster_runtime_env_carries_the_packages_and_communication_settings() -> None:
+    from executor.run import PACKAGES, cluster_runtime_env
+
+    env = cluster_runtime_env({"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0",
+                               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "HOME": "/root",
+                               "PYTHONPATH": "/somewhere"})
+    assert [Path(p).name for p in env["py_modules"]] == list(PACKAGES)
+    assert all((Path(p) / "__init__.py").exists() for p in env["py_modules"])
+    assert env["env_vars"] == {"OMP_NUM_THREADS": "1", "NCCL_SOCKET_IFNAME": "eth0",
+                               "GLOO_SOCKET_IFNAME": "eth0",
+                               "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
