@@ -7,6 +7,8 @@ tensors that cross ranks).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -30,8 +32,35 @@ def worker_device() -> torch.device:
 
 
 def process_group_backend() -> str:
-    """gloo on CPU; on GPUs NCCL for CUDA tensors and gloo for CPU ones."""
-    return "cpu:gloo,cuda:nccl" if has_gpu() else "gloo"
+    """One backend per device: gloo on CPU, NCCL on GPUs (every tensor the executor sends
+    between ranks lives on the worker's device; a second, gloo backend would open
+    connections between all ranks for nothing)."""
+    return "nccl" if has_gpu() else "gloo"
+
+
+def process_group_device() -> torch.device | None:
+    """The device to bind the process group to (``init_process_group(device_id=...)``, so
+    NCCL can split communicators for sub-meshes); None on CPU."""
+    return worker_device() if has_gpu() else None
+
+
+_MESHES: dict[tuple, object] = {}
+
+
+def clear_meshes() -> None:
+    """Forget the meshes (before the process group they were made from is destroyed)."""
+    _MESHES.clear()
+
+
+def shared_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """One device mesh per (shape, dimension names) per process: the roles of a set that
+    share a layout share its communicators instead of each opening its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (mesh_device_type(), tuple(shape), tuple(names))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(key[0], key[1], mesh_dim_names=key[2])
+    return _MESHES[key]
 
 
 def local_gpu_index(ray_gpu_ids: list, visible: str | None) -> int:

@@ -20,10 +20,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from executor.device import mesh_device_type, synchronize
+from executor.device import shared_mesh, synchronize
 from executor.generation import GenerationEngine, tp_shard_dim
 from executor.trainer import Trainer
 from simulator.specs.parallel import GenerationConfig
@@ -75,8 +74,8 @@ class HybridEngine:
         self.mode = mode
         self.gen_tp = generation.tp
         self.micro_dp = par.tp // generation.tp
-        self.mesh = init_device_mesh(mesh_device_type(), (par.dp, generation.tp, self.micro_dp),
-                                     mesh_dim_names=("dp", "gen_tp", "micro_dp"))
+        self.mesh = shared_mesh((par.dp, generation.tp, self.micro_dp),
+                                ("dp", "gen_tp", "micro_dp"))
         self.gen_tp_rank = self.mesh.get_local_rank("gen_tp")
         self.micro_dp_rank = self.mesh.get_local_rank("micro_dp")
         self.micro_dp_group = self.mesh.get_group("micro_dp")

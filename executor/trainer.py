@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from executor.device import mesh_device_type, worker_device
+from executor.device import shared_mesh, worker_device
 from executor.model import CausalLM, build_model
 from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec
@@ -149,8 +149,7 @@ class Trainer:
         self.spec = spec
         self.par = par
         self.trainable = trainable
-        self.mesh: DeviceMesh = init_device_mesh(mesh_device_type(), (par.dp, par.tp),
-                                                 mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = shared_mesh((par.dp, par.tp), ("dp", "tp"))
         self.dp_group = self.mesh.get_group("dp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_rank = self.mesh.get_local_rank("tp")

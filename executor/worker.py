@@ -16,9 +16,11 @@ import torch.distributed as dist
 from executor.batch import Batch
 from executor.device import (
     bind_local_gpu,
+    clear_meshes,
     has_gpu,
     peak_memory_bytes,
     process_group_backend,
+    process_group_device,
     reset_peak_memory,
     synchronize,
     worker_device,
@@ -80,7 +82,8 @@ class SetWorker:
         self.rank = rank
         dist.init_process_group(process_group_backend(), init_method=f"tcp://{master}",
                                 rank=rank, world_size=self.world,
-                                timeout=timedelta(minutes=10))
+                                timeout=timedelta(minutes=10),
+                                device_id=process_group_device())
         return rank
 
     def has_gpu(self) -> bool:
@@ -151,5 +154,6 @@ class SetWorker:
         return self.rank
 
     def shutdown(self) -> None:
+        clear_meshes()
         if dist.is_initialized():
             dist.destroy_process_group()

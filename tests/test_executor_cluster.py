@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +37,14 @@ def separate_cluster(tmp_path: Path):
     env["RAY_AUTH_MODE"] = "disabled"
     home = tmp_path / "elsewhere"
     home.mkdir()
+    # Its own temp dir: a head started with the default one writes its address where every
+    # later ray.init() on this machine looks, and leaves it behind when stopped. Short, for
+    # the length limit of Unix socket paths.
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     head = subprocess.Popen(
         [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-gpus=2",
-         "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats"],
+         "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
+         f"--temp-dir={temp_dir}"],
         cwd=home, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
@@ -55,6 +61,7 @@ def separate_cluster(tmp_path: Path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             head.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_execute_ships_code_and_environment_to_a_cluster(separate_cluster: str,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from executor.device import synchronize
+from executor.device import synchronize, worker_device
 from executor.generation import tp_shard_dim
 from executor.hybrid_engine import TransitionRecord, make_engine
 from executor.protocols import RankLayout
@@ -111,7 +111,7 @@ class MegatronHybridEngine:
                            zip(flat.split(sizes), entries, strict=True)]
             if member == rank and len(self.members) > 1:
                 flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else \
-                    torch.empty(0)
+                    torch.empty(0, device=worker_device())
                 dist.broadcast(flat, src=member, group=self.micro_dp_group)
             for (name, _, _), tensor in zip(entries, tensors, strict=True):
                 pieces.setdefault(name, []).append((tp_index, tensor))
