@@ -132,15 +132,22 @@ class WorkerGroup:
     per bundle, forming one torch.distributed group."""
 
     def __init__(self, ray: Any, index: int, colocated: ColocatedSet,
-                 setup: str | None = None):
+                 setup: str | None = None, node_ids: list[str] | None = None):
+        """``node_ids``: the Ray node of each rank's bundle (``executor.placement``); ranks
+        then follow the plan's GPU order. Without it, Ray packs the bundles where it likes
+        and ranks are ordered by node, then GPU."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from executor.placement import NODE_ID_LABEL
 
         self.ray = ray
         self.index = index
         self.colocated = colocated
+        selectors = [{NODE_ID_LABEL: node} for node in node_ids] if node_ids else None
         self.placement_group = placement_group([{"GPU": 1}] * colocated.gpus,
-                                               strategy="PACK")
+                                               strategy="PACK",
+                                               bundle_label_selector=selectors)
         ray.get(self.placement_group.ready(), timeout=600)
         remote = ray.remote(SetWorker)
         workers = [
@@ -149,15 +156,19 @@ class WorkerGroup:
                                                  placement_group_bundle_index=i)))
             .remote(colocated.gpus, index, setup)
             for i in range(colocated.gpus)]
-        # Ranks in node order, then GPU order: consecutive ranks (a tensor-parallel group)
-        # share a node whenever the placement group gave each node whole groups.
         locations = ray.get([w.location.remote() for w in workers])
-        order = sorted(range(len(workers)), key=lambda i: (locations[i], i))
+        if node_ids:
+            order = list(range(len(workers)))
+        else:
+            # Consecutive ranks (a tensor-parallel group) share a node whenever the placement
+            # group gave each node whole groups.
+            order = sorted(range(len(workers)), key=lambda i: (locations[i], i))
         self.workers = [workers[i] for i in order]
         self.nodes = [locations[i][0] for i in order]
-        rank0_node = self.nodes[0]
+        """Ray node id of each rank."""
+        addresses = [locations[i][1] for i in order]
         # One node: the loopback interface (always there); several: rank 0's node address.
-        host = "127.0.0.1" if len(set(self.nodes)) == 1 else rank0_node
+        host = "127.0.0.1" if len(set(self.nodes)) == 1 else addresses[0]
         port = ray.get(self.workers[0].free_port.remote())
         ray.get([w.join.remote(f"{host}:{port}", rank) for rank, w in enumerate(self.workers)])
 

@@ -238,6 +238,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
 
     from executor.controller import RoleHandle, WorkerGroup
     from executor.drivers import DRIVERS, Context, fit_reward_model
+    from executor.placement import gpu_nodes, map_plan_nodes
     from executor.protocols import RankLayout
     from executor.records import machine, measurement_rows, versions, write_run
 
@@ -249,7 +250,13 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     groups: list[WorkerGroup] = []
     try:
         say(f"starting {plan.total_gpus} workers in {len(plan.sets)} colocated set(s)")
-        groups = [WorkerGroup(ray, i, s, options.worker_setup)
+        node_map = map_plan_nodes(plan, job.cluster.gpus_per_node, gpu_nodes(ray.nodes()),
+                                  local=options.address is None)
+        if node_map.shared_machine:
+            say("the plan's nodes all run on this machine's one Ray node (a local run: its "
+                "node layout is not reproduced)")
+        groups = [WorkerGroup(ray, i, s, options.worker_setup,
+                              node_map.bundle_nodes(plan, i, job.cluster.gpus_per_node))
                   for i, s in enumerate(plan.sets)]
         worker_code = ray.get(groups[0].workers[0].code_location.remote())
         for role in job.gpu_roles:
@@ -328,6 +335,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
                     "worker_code": worker_code,
+                    "node_map": {str(k): n.node_id for k, n in node_map.nodes.items()},
+                    "worker_nodes": [group.nodes for group in groups],
                     "ray_address": options.address or (
                         "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
             write_run(options.out, rows, metrics, meta, plan)

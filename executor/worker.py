@@ -61,13 +61,13 @@ class SetWorker:
         self._state_recorded: dict[str, set[str]] = {}
         self._last_state: dict[str, dict[str, int]] = {}
 
-    def location(self) -> tuple[str, int]:
-        """(node IP as Ray sees it, GPU id): the controller orders ranks by these so that
-        consecutive ranks (tensor-parallel groups) share a node."""
+    def location(self) -> tuple[str, str, int]:
+        """(Ray node id, node IP, GPU id) of this worker."""
         import ray
 
         gpu_ids = ray.get_gpu_ids()
-        return ray.util.get_node_ip_address(), int(gpu_ids[0]) if gpu_ids else -1
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                int(gpu_ids[0]) if gpu_ids else -1)
 
     def free_port(self) -> int:
         """A free TCP port on this worker's node, for the group's rendezvous (rank 0)."""

@@ -39,12 +39,13 @@ def separate_cluster(tmp_path: Path):
     home.mkdir()
     # Its own temp dir: a head started with the default one writes its address where every
     # later ray.init() on this machine looks, and leaves it behind when stopped. Short, for
-    # the length limit of Unix socket paths.
+    # the length limit of Unix socket paths. A small object store: the test session's own
+    # Ray already holds a large one in /dev/shm.
     temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     head = subprocess.Popen(
         [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-gpus=2",
          "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}"],
+         f"--temp-dir={temp_dir}", "--object-store-memory=200000000"],
         cwd=home, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
@@ -80,7 +81,9 @@ def test_execute_ships_code_and_environment_to_a_cluster(separate_cluster: str,
         "roles": {"actor": {"parallel": par, "generation": {"tp": 1}},
                   "ref": {"parallel": par}}}))
     out = tmp_path / "run"
-    env = {**os.environ, "NCCL_DEBUG": "WARN"}
+    # The head runs without token authentication; a Ray started earlier in this process sets
+    # RAY_AUTH_MODE=token in the environment, which the client must not inherit.
+    env = {**os.environ, "NCCL_DEBUG": "WARN", "RAY_AUTH_MODE": "disabled"}
     result = subprocess.run(
         [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
          "--steps", "1", "--out", str(out), "--reward-warmup", "0",
