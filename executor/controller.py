@@ -62,6 +62,48 @@ class CallRecord:
         return max((i["end"] for i in self.infos), default=self.collected)
 
 
+class WorkerFailedError(RuntimeError):
+    """A rank failed during a call: the operation, where it ran, and the cause in one line."""
+
+    def __init__(self, operation: str, location: int, rank: int, cause: str):
+        super().__init__(f"{operation} (set {location}, rank {rank}): {cause}")
+        self.operation = operation
+        self.location = location
+        self.rank = rank
+        self.cause = cause
+
+
+def failure_cause(exc: BaseException) -> str:
+    """The first line of what went wrong on a worker (its own exception when it raised)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        inner = exc.cause
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {text[0] if text else ''}".rstrip(": ")
+    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.WorkerCrashedError):
+        return f"the worker died ({type(exc).__name__})"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+FAILURE_GRACE_SECONDS = 5.0
+"""After a rank fails, how long to wait for the others' outcome to tell cause from effect."""
+
+
+def _failure_rank(exc: BaseException) -> int:
+    """0: the worker died; 1: it raised an error of its own; 2: a communication error (a
+    peer that died or raised)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.WorkerCrashedError):
+        return 0
+    text = failure_cause(exc).lower()
+    communication = ("connection reset", "connection closed", "gloo", "nccl", "timed out",
+                     "broken pipe")
+    return 2 if any(word in text for word in communication) else 1
+
+
 class Pending:
     """A call in flight; ``result()`` collects it (once) and completes its record."""
 
@@ -79,8 +121,45 @@ class Pending:
         self._value: Any = None
         self._done = False
 
+    def _raise_first_failure(self) -> None:
+        """Wait for every rank, raising as soon as one failed (the others may be blocked in a
+        collective with it and would never return). Ranks that fail with it within a few
+        seconds are named too, the likely root cause first: a worker that died, then an
+        error of its own, then the peers' communication errors it caused."""
+        # A failed call fails both its returns: watching the (small) records is enough.
+        rank_of = {ref: r for r, ref in enumerate(self._info_refs)}
+        pending = list(rank_of)
+        failures: dict[int, BaseException] = {}
+        while pending and not failures:
+            ready, pending = self._ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            failures.update(self._failed(ready, rank_of))
+        if not failures:
+            return
+        if pending:
+            ready, _ = self._ray.wait(pending, num_returns=len(pending),
+                                      timeout=FAILURE_GRACE_SECONDS)
+            failures.update(self._failed(ready, rank_of))
+        ranked = sorted(failures.items(), key=lambda item: (_failure_rank(item[1]), item[0]))
+        rank, exc = ranked[0]
+        cause = failure_cause(exc)
+        if len(ranked) > 1:
+            cause += "; also failed: " + ", ".join(
+                f"rank {r} ({failure_cause(e)[:60]})" for r, e in ranked[1:])
+        raise WorkerFailedError(f"{self.record.role}.{self.record.operation}",
+                                self.record.location, rank, cause)
+
+    def _failed(self, refs: list, rank_of: dict) -> dict[int, BaseException]:
+        out = {}
+        for ref in refs:
+            try:
+                self._ray.get(ref)
+            except self._ray.exceptions.RayError as exc:
+                out[rank_of[ref]] = exc
+        return out
+
     def result(self) -> Any:
         if not self._done:
+            self._raise_first_failure()
             wanted = [self._result_refs[r] for r in self._ranks]
             fetched = self._ray.get(wanted + list(self._info_refs))
             parts, self.record.infos = fetched[:len(wanted)], fetched[len(wanted):]

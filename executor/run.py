@@ -52,6 +52,11 @@ class ExecutionOptions:
     driver's stderr; None: on with ``address``, off for a local Ray."""
 
 
+class RunFailedError(RuntimeError):
+    """A worker failed during the run; the message names the operation, the rank and the
+    cause, and where the records of the finished iterations are."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     rows: list[dict[str, Any]]
@@ -236,7 +241,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm."""
     import torch
 
-    from executor.controller import RoleHandle, WorkerGroup
+    from executor.controller import RoleHandle, WorkerFailedError, WorkerGroup
     from executor.drivers import DRIVERS, Context, fit_reward_model
     from executor.placement import gpu_nodes, map_plan_nodes
     from executor.protocols import RankLayout
@@ -303,10 +308,39 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
         rows: list[dict[str, Any]] = []
         metrics: list[dict[str, Any]] = []
         origin = time.time()
+        def run_meta(seconds: float) -> dict[str, Any]:
+            return {"plan": plan.to_value(), "job": job.to_value(),
+                    "options": {"steps": options.steps, "seed": options.seed,
+                                "transition": options.transition,
+                                "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
+                                "rl": to_mapping(options.rl), "task": to_mapping(options.task),
+                                "reward_warmup_steps": options.reward_warmup_steps},
+                    "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
+                    "versions": versions(),
+                    "machine": machine(), "seconds": seconds,
+                    "worker_code": worker_code,
+                    "node_map": {str(k): n.node_id for k, n in node_map.nodes.items()},
+                    "worker_nodes": [group.nodes for group in groups],
+                    "ray_address": options.address or (
+                        "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
+
         for iteration in range(options.steps):
             records.clear()
             start = time.time()
-            summary = driver(ctx, iteration)
+            try:
+                summary = driver(ctx, iteration)
+            except WorkerFailedError as failure:
+                # Keep what finished; the failed iteration's partial calls are left out.
+                where = ""
+                if options.out is not None:
+                    meta = run_meta(time.time() - started_at)
+                    meta["failure"] = {"iteration": iteration, "operation": failure.operation,
+                                       "set": failure.location, "rank": failure.rank,
+                                       "cause": failure.cause}
+                    write_run(options.out, rows, metrics, meta, plan)
+                    where = f"; records of the {iteration} finished iteration(s) in " \
+                            f"{options.out}"
+                raise RunFailedError(f"{failure}{where}") from None
             end = time.time()
             rows.extend(measurement_rows(list(records), iteration, plan, origin,
                                          effective_backends(job, plan)))
@@ -325,21 +359,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 f", solved {summary['solved']:.2f}{constraint}")
         seconds = time.time() - started_at
         if options.out is not None:
-            meta = {"plan": plan.to_value(), "job": job.to_value(),
-                    "options": {"steps": options.steps, "seed": options.seed,
-                                "transition": options.transition,
-                                "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                                "rl": to_mapping(options.rl), "task": to_mapping(options.task),
-                                "reward_warmup_steps": options.reward_warmup_steps},
-                    "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
-                    "versions": versions(),
-                    "machine": machine(), "seconds": seconds,
-                    "worker_code": worker_code,
-                    "node_map": {str(k): n.node_id for k, n in node_map.nodes.items()},
-                    "worker_nodes": [group.nodes for group in groups],
-                    "ray_address": options.address or (
-                        "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
-            write_run(options.out, rows, metrics, meta, plan)
+            write_run(options.out, rows, metrics, run_meta(seconds), plan)
         return RunResult(rows=rows, metrics=metrics, out=options.out, seconds=seconds)
     finally:
         for group in groups:

@@ -729,7 +729,13 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
         validate_for_execution(job, plan_file, options)
     except SpecError as exc:
         raise exc.within(source=plan_path) from None
-    result = run_plan(job, plan_file, options)
+    from executor.run import RunFailedError
+
+    try:
+        result = run_plan(job, plan_file, options)
+    except RunFailedError as exc:
+        click.echo(f"hybridflow: run failed: {exc}", err=True)
+        sys.exit(1)
     summary = {"out": str(run_dir), "steps": steps, "seconds": result.seconds,
                "iteration_seconds": [m["seconds"] for m in result.metrics],
                "rule_score": [m["rule_score"] for m in result.metrics],
