@@ -38,7 +38,8 @@ def check_layout(spec: ModelSpec, par: ParallelConfig, key: str,
     """Reject layouts the torch backend cannot run, naming the setting."""
     if par.pp != 1 or par.vpp != 1:
         raise SpecError(f"pp={par.pp} needs pipeline parallelism, which the torch (FSDP2 / "
-                        "DTensor) backend does not run; use pp: 1 (plan with --backend fsdp)",
+                        "DTensor) backend does not run; give the role training_backend: "
+                        "megatron, or use pp: 1 (plan with --backend fsdp)",
                         key=f"{key}.pp")
     if par.sequence_parallel and par.tp > 1:
         raise SpecError("the torch backend runs tensor parallelism without sequence "
@@ -47,7 +48,8 @@ def check_layout(spec: ModelSpec, par: ParallelConfig, key: str,
     if par.sharding == "optimizer":
         raise SpecError("the torch backend shards with FSDP (sharding: fsdp) or not at all "
                         "(sharding: none); the distributed optimizer needs the Megatron "
-                        "backend (plan with --backend fsdp)", key=f"{key}.sharding")
+                        "backend (training_backend: megatron; or plan with --backend fsdp)",
+                        key=f"{key}.sharding")
     sizes = {"heads": spec.heads, "kv_heads": spec.kv_heads, "ffn_hidden": spec.ffn_hidden,
              "vocab": spec.vocab}
     for label, tp in (("tp", par.tp), ("generation tp", generation.tp if generation else 1)):
