@@ -191,9 +191,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         sorted({default_seqs, *options.max_num_seqs}))
     utilizations = (default_utilization,) if "gpu_memory_utilization" in pins else tuple(
         sorted({default_utilization, *options.memory_utilization}))
-    # The executor's backends run tensor parallelism without sequence parallelism (torch
-    # DTensor, and Megatron-core's local layers): only studies of the simulator assume it.
-    sequence_parallel = pins.get("sequence_parallel", options.backend == "simulated")
+    # Megatron layouts with tensor parallelism use sequence parallelism (as verl and NeMo-RL
+    # configure Megatron); the torch backend runs without it.
+    sequence_parallel = pins.get("sequence_parallel", not torch_only)
     # No generator the executor has runs a pipeline.
     studies = options.backend == "simulated"
     generation_pipelines = studies

@@ -69,9 +69,8 @@ def torch_runs(par: ParallelConfig) -> bool:
 
 def megatron_runs(par: ParallelConfig) -> bool:
     """Whether the Megatron-core backend runs this layout (it shards optimizer states with
-    its distributed optimizer, never FSDP-style; its local layers run tensor parallelism
-    without sequence parallelism)."""
-    return par.sharding != "fsdp" and not (par.sequence_parallel and par.tp > 1)
+    its distributed optimizer, never FSDP-style)."""
+    return par.sharding != "fsdp"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -253,8 +252,7 @@ class Plan:
                                 "megatron)", key=key)
             if rp.training_backend == "megatron" and not megatron_runs(rp.parallel):
                 raise SpecError("the Megatron backend shards optimizer states (sharding: "
-                                "optimizer), not FSDP-style, and runs tensor parallelism "
-                                "without sequence parallelism", key=key)
+                                "optimizer), not FSDP-style", key=key)
         for i, s in enumerate(self.sets):
             layouts = {role: self.roles[role].megatron_layout() for role in s.roles
                        if role in self.roles and self.roles[role].megatron_layout()}

@@ -309,16 +309,18 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
         validate_for_execution(megatron, plan, ExecutionOptions())
     monkeypatch.setattr(backends, "megatron_installed", lambda: True)
     validate_for_execution(megatron, plan, ExecutionOptions())
-    # Megatron's local layers have no sequence parallelism.
+    # Sequence parallelism: Megatron runs it, the torch backend does not.
     sp = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=2),),
               roles={"actor": RolePlan(parallel=ParallelConfig(tp=2, sequence_parallel=True),
                                        generation=GenerationConfig()),
                      "ref": RolePlan(parallel=ParallelConfig(tp=2))})
     two_gpus = {**base, "cluster": {"nodes": 1, "gpus_per_node": 2}}
+    validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
+        "training": "megatron"}, "ref": {"training": "megatron"}}}), sp, ExecutionOptions())
     with pytest.raises(SpecError, match=r"roles\.actor\.parallel\.sequence_parallel: the "
-                                        r"Megatron backend"):
+                                        r"torch backend runs tensor parallelism without"):
         validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
-            "training": "megatron"}}}), sp, ExecutionOptions())
+            "training": "torch"}}}), sp, ExecutionOptions())
     # Megatron roles of one set share Megatron's per-process parallel state.
     mixed = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=2),),
                  roles={"actor": RolePlan(parallel=ParallelConfig(tp=2, sequence_parallel=False),

@@ -69,12 +69,6 @@ def check_megatron_layout(spec: Any, par: Any, key: str, generation: Any = None)
         raise SpecError("Megatron-core shards optimizer states (sharding: optimizer), not "
                         "FSDP-style; use the torch backend for sharding: fsdp",
                         key=f"{key}.sharding")
-    if par.sequence_parallel and par.tp > 1:
-        # Megatron's torch norms assert against it; its Transformer Engine / Apex layers
-        # (which use other parameter names) are not built here.
-        raise SpecError("the Megatron backend builds Megatron-core's local layers, whose "
-                        "norms do not run sequence parallelism; set sequence_parallel: false",
-                        key=f"{key}.sequence_parallel")
     if spec.layers % (par.pp * par.vpp):
         raise SpecError(f"pp*vpp = {par.pp * par.vpp} does not divide the {spec.layers} layers "
                         f"of {spec.name} (each stage holds as many layers)", key=f"{key}.pp")

@@ -73,7 +73,10 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+            # Every rank computes the whole (replicated) head, so the gradient goes back
+            # to each rank's part of the sequence as is, not summed over the ranks.
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False)
         return self.linear(hidden_states), None
 
 
@@ -87,18 +90,55 @@ def layer_range(spec: ModelSpec, par: ParallelConfig, pp_rank: int,
     return range(chunk * per_chunk, (chunk + 1) * per_chunk)
 
 
+def _mark_sequence_parallel(norm: torch.nn.Module, config: Any) -> None:
+    for param in norm.parameters():
+        param.sequence_parallel = config.sequence_parallel
+
+
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm for Megatron's layer specs, usable under sequence parallelism: each
+    tensor-parallel rank normalises its part of the sequence, and the parameters are marked
+    so that Megatron sums their gradients over the tensor-parallel ranks
+    (``finalize_model_grads``). Megatron's own torch norm refuses sequence parallelism; its
+    Transformer Engine and Apex norms are not installable here."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        _mark_sequence_parallel(self, config)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, as ``SequenceParallelLayerNorm``."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        _mark_sequence_parallel(self, config)
+
+
+def layer_specs(spec: ModelSpec, config: Any, layers: int) -> Any:
+    """Megatron's local (non-Transformer-Engine) layer spec with norms that run under
+    sequence parallelism, for the layers and the block's final norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    norm = SequenceParallelLayerNorm if spec.norm == "layernorm" else SequenceParallelRMSNorm
+    layer = get_gpt_layer_local_spec(normalization=_norm_name(spec))
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+
+
 def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank: int,
               vp_stage: int | None = None, dtype: torch.dtype = torch.float32) -> Any:
     """One (virtual) pipeline stage of the model on this rank."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = transformer_config(spec, par, dtype=dtype)
     chunks = par.pp * par.vpp
     chunk = (vp_stage or 0) * par.pp + pp_rank
     model = GPTModel(
-        config, transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization=_norm_name(spec)),
+        config, transformer_layer_spec=layer_specs(
+            spec, config, len(layer_range(spec, par, pp_rank, vp_stage))),
         vocab_size=spec.vocab, max_sequence_length=spec.learned_positions or spec.max_seq_len,
         pre_process=chunk == 0, post_process=chunk == chunks - 1,
         share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
@@ -506,14 +546,20 @@ class MegatronTrainer:
         seq = micro_batches[0]["input_ids"].shape[1]
         size = micro_batches[0]["input_ids"].shape[0]
         value_head = self.value_head
+        # Sequence parallelism cuts the sequence into tp equal parts: pad it at the end (the
+        # attention is causal, so the real positions do not see the padding) and cut the
+        # outputs back.
+        pad = (-seq) % self.par.tp if self.config.sequence_parallel else 0
 
         def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data)
             ids = batch["input_ids"]
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            output = model(ids, positions, attention_mask=None)
+            padded = torch.nn.functional.pad(ids, (0, pad)) if pad else ids
+            positions = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
+            output = model(padded, positions, attention_mask=None)
 
             def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                output_tensor = output_tensor[:, :seq]
                 if value_head:
                     values = output_tensor.squeeze(-1).float()
                     return on_output(batch, None, values)
@@ -529,7 +575,7 @@ class MegatronTrainer:
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators,
             model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=size,
+            num_microbatches=len(micro_batches), seq_length=seq + pad, micro_batch_size=size,
             forward_only=forward_only)
         del ps
 

@@ -92,7 +92,7 @@ def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
 
 
 def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int,
-                    sharding: str, out: str) -> None:
+                    sharding: str, out: str, sequence_parallel: bool = False) -> None:
     """Three optimizer steps of a token log-likelihood loss on a fixed global batch (each
     data-parallel rank takes its share, 2 micro-batches each); the losses and the final
     weights (Hugging Face names) from the last rank."""
@@ -107,7 +107,7 @@ def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int
     spec = MODEL_PRESETS["tiny-4l"]
     dp = world // (tp * pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, sharding=sharding,
-                         sequence_parallel=False, overlap_grad_reduce=False,
+                         sequence_parallel=sequence_parallel, overlap_grad_reduce=False,
                          overlap_param_gather=False)
     trainer = MegatronTrainer(spec, par, value_head=False, seed=0, trainable=True,
                               optim=OptimConfig(lr=1e-3))
@@ -119,7 +119,8 @@ def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int
     losses, grad_norms = [], []
     for step in range(3):
         # A new batch each step (the optimizer must see every rank's shard of each).
-        ids = torch.randint(0, spec.vocab, (8, 10),
+        # 11 tokens: sequence parallelism pads them to a multiple of tp.
+        ids = torch.randint(0, spec.vocab, (8, 11),
                             generator=torch.Generator().manual_seed(2 + step))
         mine = ids.chunk(dp)[ps.get_data_parallel_rank()]
         micro = [{"input_ids": part} for part in mine.chunk(2)]

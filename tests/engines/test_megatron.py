@@ -41,16 +41,20 @@ def test_layouts_compute_the_torch_models_log_probs_and_export_its_weights(
 TRAINING_LAYOUTS = {
     "tp2": (2, 1, 1, "none", 2), "pp2": (1, 2, 1, "none", 2), "tp2xpp2": (2, 2, 1, "none", 4),
     "dp2-distributed-optimizer": (1, 1, 1, "optimizer", 2), "pp2-vpp2": (1, 2, 2, "none", 2),
+    "tp2-sequence-parallel": (2, 1, 1, "none", 2, True),
+    "tp2xpp2-sequence-parallel": (2, 2, 1, "none", 4, True),
 }
 LOSS_TOLERANCE = 1e-4
 """fp32 losses of 3 Adam steps at lr 1e-3: the layouts reduce in different orders, and Adam's
 first steps (update ~ sign of the gradient) amplify those last-bit differences (seen: 3e-5)."""
 
 
-def train(tmp_path: Path, tp: int, pp: int, vpp: int, sharding: str, world: int) -> dict:
-    out = tmp_path / f"tp{tp}-pp{pp}-vpp{vpp}-{sharding}-{world}.json"
+def train(tmp_path: Path, tp: int, pp: int, vpp: int, sharding: str, world: int,
+          sequence_parallel: bool = False) -> dict:
+    out = tmp_path / f"tp{tp}-pp{pp}-vpp{vpp}-{sharding}-{world}-{sequence_parallel}.json"
     mp.start_processes(megatron_workers.training_losses,
-                       args=(world, free_port(), tp, pp, vpp, sharding, str(out)),
+                       args=(world, free_port(), tp, pp, vpp, sharding, str(out),
+                             sequence_parallel),
                        nprocs=world, start_method="spawn")
     import torch
 

@@ -74,19 +74,22 @@ def _layout(**parallel: object) -> dict:
     return {"sequence_parallel": False, "micro_batch_size": 1, **parallel}
 
 
-@pytest.mark.parametrize(("generation", "model"), [("vllm", "tiny-2l-hd32"),
-                                                 ("native", "tiny-2l-hd32"),
-                                                 ("native", "tiny-gpt-2l")])
-def test_ppo_with_megatron_training_matches_the_torch_backend(generation: str, model: str,
-                                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize(("generation", "model", "sequence_parallel"), [
+    ("vllm", "tiny-2l-hd32", False), ("native", "tiny-2l-hd32", False),
+    ("native", "tiny-gpt-2l", False), ("native", "tiny-2l-hd32", True)])
+def test_ppo_with_megatron_training_matches_the_torch_backend(
+        generation: str, model: str, sequence_parallel: bool, tmp_path: Path) -> None:
     """tp 2, generation tp 2: vLLM takes whole tensors; the native generator each rank's own
     shard (micro-DP groups of one rank). tiny-gpt-2l is GPT-style (LayerNorm, GELU, biases,
-    learned positions)."""
+    learned positions). With sequence parallelism (Megatron only) the 11-token sequences are
+    padded to 12 for the two ranks, values and log-probs cut back."""
     par = _layout(tp=2, dp=1, sharding="none")
     roles = {"actor": {"parallel": par, "generation": {"tp": 2}},
              "critic": {"parallel": par}, "ref": {"parallel": par}}
+    megatron_par = {**par, "sequence_parallel": sequence_parallel}
     megatron = _execute(
-        _plan(tmp_path, 2, {r: {**v, "training_backend": "megatron"} for r, v in roles.items()}),
+        _plan(tmp_path, 2, {r: {**v, "parallel": megatron_par, "training_backend": "megatron"}
+                            for r, v in roles.items()}),
         _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": generation},
                            "critic": {"training": "megatron"}}, model), tmp_path / "megatron",
         True)
