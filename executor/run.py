@@ -274,6 +274,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
         node_names = {"generate": "generate", "values": "infer", "log_probs": "infer",
                       "scores": "infer", "update": "train"}
         records: list = []
+        backends = effective_backends(job, plan)
         handles = {}
         for role in job.gpu_roles:
             rp = plan.roles[role]
@@ -342,8 +343,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                             f"{options.out}"
                 raise RunFailedError(f"{failure}{where}") from None
             end = time.time()
-            rows.extend(measurement_rows(list(records), iteration, plan, origin,
-                                         effective_backends(job, plan)))
+            rows.extend(measurement_rows(list(records), iteration, plan, origin, backends))
             rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
                          "operation": "iteration", "location": -1, "set": "controller",
                          "gpus": plan.total_gpus, "parallel": plan.placement,

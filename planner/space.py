@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from simulator.plan import RolePlan, torch_runs
+from simulator.plan import RolePlan, megatron_installed, torch_runs
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -26,16 +26,6 @@ Backend = Literal["any", "megatron", "fsdp", "simulated"]
 - ``simulated``: every layout the simulator prices, executable or not (generation pp > 1),
   for studies such as the HybridFlow paper's.
 """
-
-
-def megatron_installed() -> bool:
-    """Whether megatron-core is importable here (the executor's Megatron backend)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def set_partitions(items: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], ...]]:

@@ -60,6 +60,17 @@ class ColocatedSet:
 TRAINING_BACKENDS = ("torch", "megatron")
 
 
+def megatron_installed() -> bool:
+    """Whether megatron-core is importable here (what the executor's Megatron backend and
+    the planner's ``--backend any`` need)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def torch_runs(par: ParallelConfig) -> bool:
     """Whether the executor's torch backend (FSDP2 / DTensor) runs this layout: no pipeline,
     FSDP or plain replicas, tensor parallelism without sequence parallelism."""

@@ -25,3 +25,25 @@ def paper_job() -> JobSpec:
 def write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
+
+
+@pytest.fixture
+def grpo_two_gpu_files(tmp_path: Path) -> tuple[Path, Path]:
+    """(plan.json, job.json) of a tiny GRPO run for ``hybridflow execute``: tiny-2l actor and
+    reference colocated on 2 GPUs, data parallel, rule reward."""
+    import json
+
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({
+        "algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
+        "cluster": {"nodes": 1, "gpus_per_node": 2},
+        "workload": {"prompts_per_iteration": 4, "samples_per_prompt": 2,
+                     "mini_batches_per_epoch": 2}}))
+    plan = tmp_path / "plan.json"
+    par = {"tp": 1, "dp": 2, "sharding": "none", "sequence_parallel": False}
+    plan.write_text(json.dumps({
+        "format": "hybridflow-plan", "version": 1, "algorithm": "grpo",
+        "sets": [{"roles": ["actor", "ref"], "gpus": 2}],
+        "roles": {"actor": {"parallel": par, "generation": {"tp": 1}},
+                  "ref": {"parallel": par}}}))
+    return plan, job

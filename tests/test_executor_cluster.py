@@ -65,21 +65,9 @@ def separate_cluster(tmp_path: Path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_execute_ships_code_and_environment_to_a_cluster(separate_cluster: str,
-                                                         tmp_path: Path) -> None:
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({
-        "algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
-        "cluster": {"nodes": 1, "gpus_per_node": 2},
-        "workload": {"prompts_per_iteration": 4, "samples_per_prompt": 2,
-                     "mini_batches_per_epoch": 2}}))
-    plan = tmp_path / "plan.json"
-    par = {"tp": 1, "dp": 2, "sharding": "none", "sequence_parallel": False}
-    plan.write_text(json.dumps({
-        "format": "hybridflow-plan", "version": 1, "algorithm": "grpo",
-        "sets": [{"roles": ["actor", "ref"], "gpus": 2}],
-        "roles": {"actor": {"parallel": par, "generation": {"tp": 1}},
-                  "ref": {"parallel": par}}}))
+def test_execute_ships_code_and_environment_to_a_cluster(
+        separate_cluster: str, grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+    plan, job = grpo_two_gpu_files
     out = tmp_path / "run"
     # The head runs without token authentication; a Ray started earlier in this process sets
     # RAY_AUTH_MODE=token in the environment, which the client must not inherit.

@@ -18,21 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(("fault", "cause"), [
     ("raise_in_second_update", "RuntimeError: injected fault: CUDA error"),
     ("exit_in_second_update", "died")])
-def test_a_failing_rank_stops_the_run_and_keeps_the_records(fault: str, cause: str,
-                                                            tmp_path: Path) -> None:
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({
-        "algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
-        "cluster": {"nodes": 1, "gpus_per_node": 2},
-        "workload": {"prompts_per_iteration": 4, "samples_per_prompt": 2,
-                     "mini_batches_per_epoch": 2}}))
-    plan = tmp_path / "plan.json"
-    par = {"tp": 1, "dp": 2, "sharding": "none", "sequence_parallel": False}
-    plan.write_text(json.dumps({
-        "format": "hybridflow-plan", "version": 1, "algorithm": "grpo",
-        "sets": [{"roles": ["actor", "ref"], "gpus": 2}],
-        "roles": {"actor": {"parallel": par, "generation": {"tp": 1}},
-                  "ref": {"parallel": par}}}))
+def test_a_failing_rank_stops_the_run_and_keeps_the_records(
+        fault: str, cause: str, grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+    plan, job = grpo_two_gpu_files
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),

@@ -9,6 +9,7 @@ import torch
 
 from executor.generation import GenerationOutput, SamplingParams
 from profiles.datafile import SpecError
+from simulator.plan import megatron_installed
 
 
 @runtime_checkable
@@ -52,15 +53,6 @@ def vllm_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
-
-
-def megatron_installed() -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def check_megatron_layout(spec: Any, par: Any, key: str, generation: Any = None) -> None:

@@ -172,11 +172,12 @@ def fuse_qkv(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Whole q, k, v from a whole (all ranks' shards concatenated) ``linear_qkv``."""
+    """q, k, v of the query groups a ``linear_qkv`` holds (all of them when the ranks' shards
+    are concatenated, a rank's own when given its shard)."""
     per_group, hd = _qkv_rows(spec)
     block = (per_group + 2) * hd
     q, k, v = [], [], []
-    for g in range(spec.kv_heads):
+    for g in range(fused.shape[0] // block):
         rows = fused[g * block:(g + 1) * block]
         q.append(rows[:per_group * hd])
         k.append(rows[per_group * hd:(per_group + 1) * hd])
@@ -361,63 +362,15 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
                     replicated: bool, vp_stage: int | None = None,
                     ) -> dict[str, torch.Tensor]:
     """This rank's tensor-parallel shards of one stage under Hugging Face names, cut as the
-    native generator cuts them (q / k / v by heads, gate / up by rows, o / down by columns,
-    vocabulary rows); the tensors tensor parallelism leaves whole (norms) only when
-    ``replicated``, so that a gather over ranks holding different shards carries each once."""
-    out: dict[str, torch.Tensor] = {}
-    groups = spec.kv_heads // par.tp
-    per_group, hd = _qkv_rows(spec)
-    for name, t in export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage).items():
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "embedding.position_embeddings.weight":
-            if replicated:
-                out["model.embed_positions.weight"] = t
-        elif name.startswith("decoder.final_layernorm."):
-            if replicated:
-                out["model.norm." + name.rsplit(".", 1)[1]] = t
-        elif name == "output_layer.weight":
-            if not spec.tied_embeddings:
-                out["lm_head.weight"] = t
-        elif name.startswith("layer."):
-            _, index, rest = name.split(".", 2)
-            p = f"model.layers.{index}."
-            if rest.startswith(("input_layernorm.", "pre_mlp_layernorm.")):
-                if replicated:
-                    hf = "input_layernorm" if rest.startswith("input") else \
-                        "post_attention_layernorm"
-                    out[p + hf + "." + rest.rsplit(".", 1)[1]] = t
-            elif rest in ("self_attention.linear_proj.bias", "mlp.linear_fc2.bias"):
-                if replicated:
-                    hf = "self_attn.o_proj" if rest.startswith("self") else "mlp.down_proj"
-                    out[p + hf + ".bias"] = t
-            elif rest.startswith("self_attention.linear_qkv."):
-                kind = rest.rsplit(".", 1)[1]
-                rows = t if kind == "weight" else t[:, None]
-                block = (per_group + 2) * hd
-                q, k, v = [], [], []
-                for g in range(groups):
-                    part = rows[g * block:(g + 1) * block]
-                    q.append(part[:per_group * hd])
-                    k.append(part[per_group * hd:(per_group + 1) * hd])
-                    v.append(part[(per_group + 1) * hd:])
-                for label, parts in (("q", q), ("k", k), ("v", v)):
-                    whole = torch.cat(parts)
-                    out[f"{p}self_attn.{label}_proj.{kind}"] = whole if kind == "weight" \
-                        else whole[:, 0]
-            elif rest == "self_attention.linear_proj.weight":
-                out[p + "self_attn.o_proj.weight"] = t
-            elif rest.startswith("mlp.linear_fc1."):
-                kind = rest.rsplit(".", 1)[1]
-                if spec.mlp == "swiglu":
-                    gate, up = t.chunk(2)
-                    out[p + f"mlp.gate_proj.{kind}"] = gate
-                    out[p + f"mlp.up_proj.{kind}"] = up
-                else:
-                    out[p + f"mlp.up_proj.{kind}"] = t
-            elif rest == "mlp.linear_fc2.weight":
-                out[p + "mlp.down_proj.weight"] = t
-    return out
+    native generator cuts them (``gather_hf`` of this rank alone); the tensors tensor
+    parallelism leaves whole (norms, row biases) only when ``replicated``, so that a gather
+    over ranks holding different shards carries each once."""
+    from executor.generation import tp_shard_dim
+
+    own = gather_hf([export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage)],
+                    spec, par)
+    return {name: t for name, t in own.items()
+            if replicated or tp_shard_dim(name) is not None}
 
 
 def _equal_micro_batches(micro_batches: list[dict[str, torch.Tensor]],
