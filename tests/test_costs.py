@@ -271,3 +271,28 @@ def test_micro_dp_groups_reach_other_pipeline_stages() -> None:
     assert crossing.group_size == local.group_size == 2
     assert crossing.bytes_received_per_gpu == pytest.approx(local.bytes_received_per_gpu)
     assert crossing.seconds > 2 * local.seconds
+
+
+def test_tensor_parallel_ranks_each_hold_the_replicated_parameters() -> None:
+    # Norms, row-parallel biases and learned positions are whole on every tp rank; the rest
+    # is split: two ranks together hold the model plus one extra copy of the replicated part.
+    from simulator.costs.transformer import stage_param_count
+
+    for name in ("llama2-7b", "tiny-gpt-2l"):
+        model = MODEL_PRESETS[name]
+        one = stage_param_count(model, tp=1, pp=1, value_head=False)
+        two = stage_param_count(model, tp=2, pp=1, value_head=False)
+        replicated = (model.layers * model.replicated_params_per_layer
+                      + model.final_norm_params + model.learned_positions * model.hidden)
+        assert one == model.param_count
+        assert 2 * two == pytest.approx(model.param_count + replicated)
+
+
+def test_fp32_training_keeps_no_master_weights() -> None:
+    model = MODEL_PRESETS["llama2-7b"]
+    par = ParallelConfig(tp=1, dp=1)
+    fp32 = optimizer_memory(model, par, value_head=False, trainable=True, dtype="fp32")
+    bf16 = optimizer_memory(model, par, value_head=False, trainable=True, dtype="bf16")
+    assert fp32.optimizer == pytest.approx(8 * model.param_count)
+    assert bf16.optimizer == pytest.approx(12 * model.param_count)
+    assert fp32.params == pytest.approx(2 * bf16.params)

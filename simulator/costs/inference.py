@@ -77,7 +77,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     # One layer's intermediate tensors are live at a time, plus fp32 logits and log-softmax.
     activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local
     if par.sharding == "fsdp":
-        weights = model.params(value_head=value_head) / (par.tp * par.dp) * DTYPE_BYTES[dtype]
+        weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head) / par.dp \
+            * DTYPE_BYTES[dtype]
     else:
         weights = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head) \
             * DTYPE_BYTES[dtype]

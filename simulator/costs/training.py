@@ -41,6 +41,9 @@ MAIN_GRAD_BYTES = 4
 (Megatron-LM arguments.py: bf16 implies accumulate_allreduce_grads_in_fp32)."""
 ADAM_STATE_BYTES = 12
 """fp32 master weights + Adam's two fp32 moments, per parameter (mixed-precision Adam)."""
+ADAM_MOMENT_BYTES = 8
+"""Adam's two fp32 moments, per parameter: all the optimizer holds when the weights are
+fp32 already (no master copy)."""
 FSDP_PARAM_BYTES = 4
 """FSDP2 keeps the sharded parameters in fp32 and casts to bf16 for compute."""
 ADAM_STEP_BYTES_PER_PARAM = 36
@@ -63,13 +66,24 @@ class TrainingCost:
     """Micro-batches per data-parallel rank per step."""
 
 
+def optimizer_state_bytes_per_param(dtype: str) -> int:
+    """Optimizer bytes per parameter: fp32 master weights and moments in mixed precision,
+    moments only when the model trains in fp32."""
+    return ADAM_STATE_BYTES if DTYPE_BYTES[dtype] < 4 else ADAM_MOMENT_BYTES
+
+
+def fsdp_local_param_count(model: ModelSpec, par: ParallelConfig, *, value_head: bool) -> float:
+    """Parameters of one FSDP rank: its tensor-parallel share, split over the dp ranks."""
+    return stage_param_count(model, tp=par.tp, pp=1, value_head=value_head) / par.dp
+
+
 def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
                      trainable: bool, dtype: str) -> MemoryBreakdown:
     """Weights, gradients and optimizer states on one GPU (the resident part of a model)."""
     b = DTYPE_BYTES[dtype]
     if par.sharding == "fsdp":
-        local = model.params(value_head=value_head) / (par.tp * par.dp)
-        # Working copies: the gathered bf16 weights of the current and the prefetched layer.
+        local = fsdp_local_param_count(model, par, value_head=value_head)
+        # Working copies: the gathered weights of the current and the prefetched layer.
         working = 2 * model.params_per_layer / par.tp * b
         if not trainable:
             return MemoryBreakdown(params=local * b + working)
@@ -81,7 +95,8 @@ def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
         return MemoryBreakdown(params=local * b)
     optimizer_shards = par.dp if par.sharding == "optimizer" else 1
     return MemoryBreakdown(params=local * b, grads=local * MAIN_GRAD_BYTES,
-                           optimizer=local * ADAM_STATE_BYTES / optimizer_shards)
+                           optimizer=local * optimizer_state_bytes_per_param(dtype)
+                           / optimizer_shards)
 
 
 def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
@@ -211,7 +226,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
 
     optimizer_params = local_params / (par.dp if par.sharding in ("optimizer", "fsdp") else 1)
     if par.sharding == "fsdp":
-        optimizer_params = model.params(value_head=value_head) / (par.tp * par.dp)
+        optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
     optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,
                                        kernels=4)
 

@@ -196,15 +196,21 @@ def embedding_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float
 
 def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool) -> float:
     """Parameters on one GPU of the most loaded pipeline stage (embedding on the first stage,
-    output head on the last; a tied embedding is duplicated on the last stage when pp > 1)."""
-    layers = model.layers / pp * model.params_per_layer / tp
-    embedding = model.embedding_params / tp
+    final norm and output head on the last; a tied embedding is duplicated on the last stage
+    when pp > 1). Tensor parallelism splits the matrices, the vocabulary and the
+    column-parallel biases; every tensor-parallel rank holds its own copy of the norms, the
+    row-parallel biases, learned positions and a value head (Megatron's and DTensor's
+    layouts alike)."""
+    replicated = model.replicated_params_per_layer
+    layers = model.layers / pp * ((model.params_per_layer - replicated) / tp + replicated)
+    embedding = model.vocab * model.hidden / tp + model.learned_positions * model.hidden
     if value_head:
         head = model.hidden + 1
     elif model.tied_embeddings:
         head = 0.0 if pp == 1 else model.vocab * model.hidden / tp
     else:
         head = model.lm_head_params / tp
+    head += model.final_norm_params
     if pp == 1:
         return layers + embedding + head
     return layers + max(embedding, head)

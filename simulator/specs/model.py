@@ -59,6 +59,10 @@ class ModelSpec:
     params_per_layer: int = field(init=False, repr=False)
     embedding_params: int = field(init=False, repr=False)
     lm_head_params: int = field(init=False, repr=False)
+    replicated_params_per_layer: int = field(init=False, repr=False)
+    """Parameters of one block that tensor parallelism replicates instead of splitting: the
+    norms and the biases of the row-parallel projections (o_proj, down_proj)."""
+    final_norm_params: int = field(init=False, repr=False)
     param_count: int = field(init=False, repr=False)
     """Total parameters with the language-model head."""
     _hash: int = field(init=False, repr=False, compare=False)
@@ -101,6 +105,7 @@ class ModelSpec:
         embedding = self.vocab * h + self.learned_positions * h
         lm_head = 0 if self.tied_embeddings else self.vocab * h
         total = self.layers * per_layer + embedding + lm_head + norm_vec * h
+        replicated = norms + (2 * h if self.linear_bias else 0)
         set_ = object.__setattr__
         set_(self, "head_dim_value", head_dim)
         set_(self, "q_size", q_size)
@@ -111,6 +116,8 @@ class ModelSpec:
         set_(self, "params_per_layer", per_layer)
         set_(self, "embedding_params", embedding)
         set_(self, "lm_head_params", lm_head)
+        set_(self, "replicated_params_per_layer", replicated)
+        set_(self, "final_norm_params", norm_vec * h)
         set_(self, "param_count", total)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
 
