@@ -22,6 +22,12 @@ COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_p
           "lm_head.weight", "embed_tokens.weight")
 ROW = ("o_proj.weight", "down_proj.weight")
 
+FINISH_CHECK_INTERVAL_STEPS = 16
+"""Decode steps between checks whether every sequence has ended, on accelerators: the check
+reads a flag back to the host, which waits for the device's queued work; checking every 16th
+step keeps the GPU fed at the cost of at most 15 decode steps of pad tokens. On the CPU the read
+costs nothing and those steps would, so the engine checks every step there."""
+
 
 def tp_shard_dim(name: str) -> int | None:
     """The dimension tensor parallelism splits a parameter along (None: replicated)."""
@@ -30,6 +36,13 @@ def tp_shard_dim(name: str) -> int | None:
     if name.endswith(ROW):
         return 1
     return None
+
+
+def kv_cache_bytes(*, layers: int, sequences: int, kv_heads: int, tokens: int, head_dim: int,
+                   element_bytes: int) -> int:
+    """Bytes of the K and V caches of ``sequences`` sequences of ``tokens`` tokens each
+    (``kv_heads``: the heads this rank holds)."""
+    return layers * 2 * sequences * kv_heads * tokens * head_dim * element_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +67,28 @@ class GenerationOutput:
 
 class GenerationEngine:
     """Generates with local shards of a model built by ``executor.model`` (Llama- or
-    GPT-style)."""
+    GPT-style).
+
+    ``kv_cache_budget_bytes`` bounds this rank's KV cache (its shard of the heads): a batch
+    whose cache would exceed it is generated in consecutive waves of as many sequences as fit
+    (None: the whole batch at once). ``finish_check_interval_steps``: decode steps between
+    checks whether every sequence has ended (None: ``FINISH_CHECK_INTERVAL_STEPS`` on
+    accelerators, 1 on the CPU); it changes no output."""
 
     def __init__(self, spec: ModelSpec, tp_group: dist.ProcessGroup | None = None,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, *, kv_cache_budget_bytes: int | None = None,
+                 finish_check_interval_steps: int | None = None):
+        if kv_cache_budget_bytes is not None and kv_cache_budget_bytes < 0:
+            raise ValueError(f"kv_cache_budget_bytes={kv_cache_budget_bytes} is negative")
+        if finish_check_interval_steps is not None and finish_check_interval_steps < 1:
+            raise ValueError(f"finish_check_interval_steps={finish_check_interval_steps} must "
+                             "be at least 1")
         self.spec = spec
         self.group = tp_group
         self.tp_size = tp_size
         self.tp_rank = tp_rank
+        self.kv_cache_budget_bytes = kv_cache_budget_bytes
+        self.finish_check_interval_steps = finish_check_interval_steps
         self.weights: dict[str, torch.Tensor] = {}
 
     # ----- weights -----
@@ -177,21 +204,79 @@ class GenerationEngine:
             probs = probs / probs.sum(-1, keepdim=True)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
+    def _kv_local_heads(self) -> int:
+        """Key/value heads of this rank's shard."""
+        return self.weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // \
+            self.spec.head_dim_value
+
+    def sequence_kv_cache_bytes(self, tokens: int) -> int:
+        """Bytes of this rank's KV cache for one sequence of ``tokens`` tokens."""
+        return kv_cache_bytes(layers=self.spec.layers, sequences=1,
+                              kv_heads=self._kv_local_heads(), tokens=tokens,
+                              head_dim=self.spec.head_dim_value,
+                              element_bytes=self.weights["model.norm.weight"].element_size())
+
+    def wave_size(self, batch: int, tokens: int) -> int:
+        """Sequences of ``tokens`` tokens generated at once under the KV-cache budget."""
+        if self.kv_cache_budget_bytes is None:
+            return batch
+        one = self.sequence_kv_cache_bytes(tokens)
+        if one > self.kv_cache_budget_bytes:
+            raise ValueError(
+                f"kv_cache_budget_bytes={self.kv_cache_budget_bytes} cannot hold the KV cache "
+                f"of one sequence: {one} bytes ({tokens} tokens x {self.spec.layers} layers x "
+                f"K and V x {self._kv_local_heads()} local kv heads x "
+                f"{self.spec.head_dim_value} head dim x "
+                f"{self.weights['model.norm.weight'].element_size()} bytes)")
+        return min(batch, self.kv_cache_budget_bytes // one)
+
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator) -> GenerationOutput:
         """Sample up to ``max_new_tokens`` per prompt; prompts (batch, length) share a length.
-        ``generator`` lives on the weights' device (sampling draws there)."""
+        ``generator`` lives on the weights' device (sampling draws there).
+
+        Under a KV-cache budget too small for the batch, consecutive waves of prompts run one
+        after another. Greedy tokens and lengths are those of one wave (barring near-ties) and
+        log-probs equal up to rounding: matrix kernels may sum in another order for another
+        batch size. Sampled tokens cannot be one wave's: every decode step draws for the whole
+        running batch from one generator, so a sequence's draws depend on which sequences share
+        its wave. Instead ``generator`` draws one seed per wave and wave ``w`` is exactly one
+        wave of its prompts with ``Generator(device).manual_seed(seed_w)``: reproducible for a
+        given generator state and budget.
+
+        Without waves the caller's generator advances further than before when the finish check
+        is periodic (draws in the steps after every sequence ended); no output depends on
+        those draws."""
         if not self.weights:
             raise RuntimeError("the generation engine has no weights loaded")
+        batch, prompt_len = prompts.shape
+        wave = self.wave_size(batch, prompt_len + params.max_new_tokens)
+        if wave >= batch:
+            return self._generate_wave(prompts, params, generator)
+        waves = -(-batch // wave)
+        seeds = torch.randint(0, 2**62, (waves,), generator=generator,
+                              device=generator.device).tolist()
+        outputs = []
+        for index, seed in enumerate(seeds):
+            wave_generator = torch.Generator(device=generator.device).manual_seed(seed)
+            outputs.append(self._generate_wave(prompts[index * wave:(index + 1) * wave],
+                                               params, wave_generator))
+        return GenerationOutput(
+            responses=torch.cat([o.responses for o in outputs]),
+            log_probs=torch.cat([o.log_probs for o in outputs]),
+            lengths=torch.cat([o.lengths for o in outputs]))
+
+    def _generate_wave(self, prompts: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator) -> GenerationOutput:
+        """Generate for all ``prompts`` at once, with a KV cache for the whole batch."""
         spec = self.spec
         batch, prompt_len = prompts.shape
         total = prompt_len + params.max_new_tokens
         dtype = self.weights["model.norm.weight"].dtype
         device = self.weights["model.norm.weight"].device
         prompts = prompts.to(device)
-        kv_local = self.weights["model.layers.0.self_attn.k_proj.weight"].shape[0] // \
-            spec.head_dim_value
+        kv_local = self._kv_local_heads()
         cache = [[torch.zeros(batch, kv_local, total, spec.head_dim_value, dtype=dtype,
                               device=device)
                   for _ in range(2)] for _ in range(spec.layers)]
@@ -201,8 +286,12 @@ class GenerationEngine:
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
         positions = torch.arange(prompt_len, device=device).expand(batch, prompt_len)
+        interval = self.finish_check_interval_steps or \
+            (1 if device.type == "cpu" else FINISH_CHECK_INTERVAL_STEPS)
         logits = self._forward(prompts, positions, cache, 0)
         for step in range(params.max_new_tokens):
+            # Steps after every sequence ended (until the next check) change no output: their
+            # tokens become pad, their log-probs 0, and no length or ``finished`` changes.
             token = self._sample(logits.float(), params, generator)
             token = torch.where(finished, torch.full_like(token, params.pad_token_id), token)
             step_log_probs = torch.log_softmax(logits.float() / params.temperature, dim=-1)
@@ -212,7 +301,10 @@ class GenerationEngine:
             ended = (~finished) & (token == params.eos_token_id)
             lengths = torch.where(ended, torch.full_like(lengths, step + 1), lengths)
             finished = finished | ended
-            if bool(finished.all()) or step + 1 == params.max_new_tokens:
+            if step + 1 == params.max_new_tokens:
+                break
+            # The check reads ``finished`` on the host (a device sync on GPUs): periodic only.
+            if (step + 1) % interval == 0 and bool(finished.all()):
                 break
             position = torch.full((batch, 1), prompt_len + step, device=device)
             logits = self._forward(token[:, None], position, cache, prompt_len + step)

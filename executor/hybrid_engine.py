@@ -6,6 +6,9 @@ TP groups take every micro_dp-th rank, so the training shards a micro-DP group h
 exactly one generation shard. The transition all-gathers within micro-DP groups only and the
 rank's own training shard becomes a view into its generation shard: no second copy of the
 weights. Back in training mode the view is copied out and the generation shard freed.
+The gathers are bucketed: a rank's pieces of many parameters travel in one flat buffer, one
+``all_gather_single`` per bucket (not one collective per parameter), and each generation
+shard is copied once out of the gathered buffer.
 ``naive`` mode instead gathers the full weights on every rank and slices (DeepSpeed-Chat style).
 
 Transitions record what they did: bytes each rank received, seconds, parameter bytes per rank
@@ -26,6 +29,12 @@ from executor.device import shared_mesh, synchronize
 from executor.generation import GenerationEngine, tp_shard_dim
 from executor.trainer import Trainer
 from simulator.specs.parallel import GenerationConfig
+
+TRANSITION_BUCKET_BYTES = 256 * 2**20
+"""Upper bound on the buffer one micro-DP all-gather fills (all members' pieces of the
+bucket's parameters): few large collectives instead of one per parameter, with bounded
+staging memory beside the generation shards. A parameter whose gathered size exceeds it is
+gathered alone (its buffer then is its generation shard when it is split along dim 0)."""
 
 TransitionMode = Literal["micro_dp", "naive", "full"]
 """micro_dp: the 3D-HybridEngine; naive: gather whole weights, keep this rank's generation
@@ -51,22 +60,27 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: int,
-                tp_group: Any, tp_rank: int) -> Any:
+                tp_group: Any, tp_rank: int, kv_cache_budget_bytes: int | None = None) -> Any:
     """The generator: the native sampler on this rank's generation shard (its generation tp
-    group given), or vLLM fed whole tensors (it forms its own tensor-parallel groups)."""
+    group given), or vLLM fed whole tensors (it forms its own tensor-parallel groups).
+    ``kv_cache_budget_bytes``: this GPU's KV-cache budget (None: each engine's default)."""
     if backend == "vllm":
         from executor.backends.vllm import VLLMEngine
 
         return VLLMEngine(spec, tp_size=generation.tp, seed=seed,
-                          dtype=torch.float32)  # the trainers compute in fp32
-    return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank)
+                          dtype=torch.float32,  # the trainers compute in fp32
+                          kv_cache_budget_bytes=kv_cache_budget_bytes)
+    return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank,
+                            kv_cache_budget_bytes=kv_cache_budget_bytes)
 
 
 class HybridEngine:
     """The actor's generation side, fed from its trainer's shards."""
 
     def __init__(self, trainer: Trainer, generation: GenerationConfig,
-                 mode: TransitionMode = "micro_dp", backend: str = "native", seed: int = 0):
+                 mode: TransitionMode = "micro_dp", backend: str = "native", seed: int = 0,
+                 *, kv_cache_budget_bytes: int | None = None,
+                 transition_bucket_bytes: int = TRANSITION_BUCKET_BYTES):
         par = trainer.par
         if par.tp % generation.tp:
             raise ValueError(f"generation tp {generation.tp} must divide training tp {par.tp}")
@@ -81,34 +95,41 @@ class HybridEngine:
         self.micro_dp_group = self.mesh.get_group("micro_dp")
         self.replica = self.mesh.get_local_rank("dp") * self.micro_dp + self.micro_dp_rank
         self.backend = backend
+        self.transition_bucket_bytes = transition_bucket_bytes
         if backend == "vllm":
             # vLLM holds its own copy of the weights and cuts its own tensor-parallel shards
             # from whole tensors: the transition gathers every tensor whole.
             self.mode = "full"
         self.engine = make_engine(trainer.spec, generation, backend, seed=seed,
                                   tp_group=self.mesh.get_group("gen_tp"),
-                                  tp_rank=self.gen_tp_rank)
+                                  tp_rank=self.gen_tp_rank,
+                                  kv_cache_budget_bytes=kv_cache_budget_bytes)
         self._aliased: list[torch.Tensor] = []
 
     # ----- transitions -----
 
+    @torch.no_grad()
     def to_generation(self) -> TransitionRecord:
+        """Build the generation shards and hand them to the engine (no autograd: the
+        collectives write into buffers that the training parameters' views must not track)."""
         start = time.perf_counter()
         received = 0
         weights: dict[str, torch.Tensor] = {}
-        training_bytes = 0
-        for name, param in self.trainer.model.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param.detach()
-            training_bytes += _bytes(local)
-            if self.mode == "full":
-                shard = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-                got = _bytes(shard) - _bytes(local)
-            elif self.mode == "naive":
-                shard, got = self._naive(name, param, local)
-            else:
-                shard, got = self._micro_dp(name, param, local)
-            received += got
-            weights[name] = shard
+        training_bytes = sum(_bytes(p.to_local() if isinstance(p, DTensor) else p)
+                             for p in self.trainer.model.parameters())
+        if self.mode == "micro_dp":
+            weights, received = self._micro_dp_weights()
+        else:
+            for name, param in self.trainer.model.named_parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param.detach()
+                if self.mode == "full":
+                    shard = param.full_tensor() if isinstance(param, DTensor) else \
+                        param.detach()
+                    got = _bytes(shard) - _bytes(local)
+                else:
+                    shard, got = self._naive(name, param, local)
+                received += got
+                weights[name] = shard
         self.engine.load(weights)
         synchronize()  # the all-gathers run asynchronously on GPUs
         seconds = time.perf_counter() - start
@@ -126,32 +147,81 @@ class HybridEngine:
             full.chunk(self.gen_tp, dim=dim)[self.gen_tp_rank].clone()
         return shard, _bytes(full) - _bytes(local)
 
-    def _micro_dp(self, name: str, param: torch.Tensor,
-                  local: torch.Tensor) -> tuple[torch.Tensor, int]:
-        received = 0
+    def _tp_chunk(self, param: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's training tensor-parallel piece of ``param`` (FSDP's dp shards gathered
+        first) and the bytes that gather received."""
+        local = param.to_local().detach() if isinstance(param, DTensor) else param.detach()
         if isinstance(param, DTensor) and self.trainer.fsdp:
             # FSDP shards over dp first: gather those (the dp placement becomes Replicate).
             placements = [Replicate() if mesh_dim == "dp" else p for mesh_dim, p in
                           zip(param.device_mesh.mesh_dim_names or (), param.placements,
                               strict=True)]
             tp_chunk = param.redistribute(param.device_mesh, placements).to_local()
-            received += _bytes(tp_chunk) - _bytes(local)
-        else:
-            tp_chunk = local
-        dim = tp_shard_dim(name)
-        if dim is None or self.micro_dp == 1 or self.trainer.par.tp == 1:
-            return tp_chunk, received
-        parts = [torch.empty_like(tp_chunk) for _ in range(self.micro_dp)]
-        dist.all_gather(parts, tp_chunk.contiguous(), group=self.micro_dp_group)
-        received += _bytes(tp_chunk) * (self.micro_dp - 1)
-        shard = torch.cat(parts, dim=dim)
-        if not self.trainer.fsdp and isinstance(param, DTensor):
-            # Zero redundancy: the training shard now lives inside the generation shard.
-            size = tp_chunk.shape[dim]
-            view = shard.narrow(dim, self.micro_dp_rank * size, size)
-            param._local_tensor.data = view
-            self._aliased.append(param._local_tensor)
-        return shard, received
+            return tp_chunk, _bytes(tp_chunk) - _bytes(local)
+        return local, 0
+
+    def _micro_dp_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """Every parameter's generation shard, and the bytes this rank received.
+
+        Parameters are taken in order; the ones split along a tensor-parallel dimension fill
+        buckets of at most ``transition_bucket_bytes`` gathered, each gathered as soon as it is
+        full, so at most one bucket of FSDP-gathered pieces is alive at a time. Every member of
+        a micro-DP group holds pieces of equal shapes in the same order, so all members cut
+        the same buckets."""
+        received = 0
+        weights: dict[str, torch.Tensor | None] = {}
+        bucket: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        bucket_bytes = 0
+        for name, param in self.trainer.model.named_parameters():
+            tp_chunk, got = self._tp_chunk(param)
+            received += got
+            if tp_shard_dim(name) is None or self.micro_dp == 1:
+                weights[name] = tp_chunk
+                continue
+            weights[name] = None  # filled when its bucket is gathered; keeps the order
+            gathered = _bytes(tp_chunk) * self.micro_dp
+            if bucket and (bucket_bytes + gathered > self.transition_bucket_bytes
+                           or tp_chunk.dtype != bucket[0][2].dtype):
+                received += self._gather_bucket(bucket, weights)
+                bucket, bucket_bytes = [], 0
+            bucket.append((name, param, tp_chunk))
+            bucket_bytes += gathered
+        if bucket:
+            received += self._gather_bucket(bucket, weights)
+        return {name: shard for name, shard in weights.items() if shard is not None}, received
+
+    def _gather_bucket(self, bucket: list[tuple[str, torch.Tensor, torch.Tensor]],
+                       weights: dict[str, torch.Tensor | None]) -> int:
+        """One all-gather of this rank's pieces of ``bucket`` within the micro-DP group; puts
+        each parameter's generation shard in ``weights``; returns the bytes received."""
+        chunks = [chunk for _, _, chunk in bucket]
+        # One parameter alone needs no staging copy (reshape of a contiguous piece is a view).
+        flat = chunks[0].reshape(-1) if len(chunks) == 1 else \
+            torch.cat([chunk.reshape(-1) for chunk in chunks])
+        out = torch.empty(self.micro_dp * flat.numel(), dtype=flat.dtype, device=flat.device)
+        # torch 2.13's name for all_gather_into_tensor (deprecated there): one flat buffer in,
+        # the members' buffers back to back out.
+        dist.all_gather_single(out, flat, group=self.micro_dp_group)
+        rows = out.view(self.micro_dp, flat.numel())  # row r: member r's pieces, in order
+        offset = 0
+        for name, param, chunk in bucket:
+            dim = tp_shard_dim(name)
+            assert dim is not None
+            pieces = rows[:, offset:offset + chunk.numel()].view(self.micro_dp, *chunk.shape)
+            offset += chunk.numel()
+            shape = list(chunk.shape)
+            shape[dim] *= self.micro_dp
+            # Members' pieces side by side along ``dim``, in micro-DP rank order: the one copy
+            # out of the gathered buffer (a view when the bucket is one parameter split along
+            # dim 0, whose gathered buffer already is its shard).
+            shard = pieces.movedim(0, dim).reshape(shape)
+            weights[name] = shard
+            if not self.trainer.fsdp and isinstance(param, DTensor):
+                # Zero redundancy: the training shard now lives inside the generation shard.
+                size = chunk.shape[dim]
+                param._local_tensor.data = shard.narrow(dim, self.micro_dp_rank * size, size)
+                self._aliased.append(param._local_tensor)
+        return _bytes(flat) * (self.micro_dp - 1)
 
     def _distinct_parameter_bytes(self) -> int:
         if self.backend == "vllm":

