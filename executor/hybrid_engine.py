@@ -60,15 +60,16 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: int,
-                tp_group: Any, tp_rank: int, kv_cache_budget_bytes: int | None = None) -> Any:
+                tp_group: Any, tp_rank: int, kv_cache_budget_bytes: int | None = None,
+                dtype: torch.dtype = torch.float32) -> Any:
     """The generator: the native sampler on this rank's generation shard (its generation tp
-    group given), or vLLM fed whole tensors (it forms its own tensor-parallel groups).
-    ``kv_cache_budget_bytes``: this GPU's KV-cache budget (None: each engine's default)."""
+    group given; it computes in its weights' dtype), or vLLM fed whole tensors in ``dtype``
+    (it forms its own tensor-parallel groups). ``kv_cache_budget_bytes``: this GPU's
+    KV-cache budget (None: each engine's default)."""
     if backend == "vllm":
         from executor.backends.vllm import VLLMEngine
 
-        return VLLMEngine(spec, tp_size=generation.tp, seed=seed,
-                          dtype=torch.float32,  # the trainers compute in fp32
+        return VLLMEngine(spec, tp_size=generation.tp, seed=seed, dtype=dtype,
                           kv_cache_budget_bytes=kv_cache_budget_bytes)
     return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank,
                             kv_cache_budget_bytes=kv_cache_budget_bytes)
@@ -103,7 +104,8 @@ class HybridEngine:
         self.engine = make_engine(trainer.spec, generation, backend, seed=seed,
                                   tp_group=self.mesh.get_group("gen_tp"),
                                   tp_rank=self.gen_tp_rank,
-                                  kv_cache_budget_bytes=kv_cache_budget_bytes)
+                                  kv_cache_budget_bytes=kv_cache_budget_bytes,
+                                  dtype=trainer.dtype)
         self._aliased: list[torch.Tensor] = []
 
     # ----- transitions -----
@@ -112,6 +114,7 @@ class HybridEngine:
     def to_generation(self) -> TransitionRecord:
         """Build the generation shards and hand them to the engine (no autograd: the
         collectives write into buffers that the training parameters' views must not track)."""
+        synchronize()  # the clock starts when the previous operation's kernels are done
         start = time.perf_counter()
         received = 0
         weights: dict[str, torch.Tensor] = {}
@@ -121,15 +124,12 @@ class HybridEngine:
             weights, received = self._micro_dp_weights()
         else:
             for name, param in self.trainer.model.named_parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param.detach()
-                if self.mode == "full":
-                    shard = param.full_tensor() if isinstance(param, DTensor) else \
-                        param.detach()
-                    got = _bytes(shard) - _bytes(local)
-                else:
-                    shard, got = self._naive(name, param, local)
-                received += got
-                weights[name] = shard
+                # Whole tensors in the compute dtype (FSDP's fp32 master shards cast first).
+                param = param.detach().to(self.trainer.dtype)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                received += _bytes(full) - _bytes(local)
+                weights[name] = full if self.mode == "full" else self._naive(name, full)
         self.engine.load(weights)
         synchronize()  # the all-gathers run asynchronously on GPUs
         seconds = time.perf_counter() - start
@@ -139,25 +139,26 @@ class HybridEngine:
             peak_param_bytes_per_gpu=self._distinct_parameter_bytes(),
             training_param_bytes=training_bytes)
 
-    def _naive(self, name: str, param: torch.Tensor,
-               local: torch.Tensor) -> tuple[torch.Tensor, int]:
-        full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    def _naive(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's generation shard cut from a whole tensor (DeepSpeed-Chat style)."""
         dim = tp_shard_dim(name)
-        shard = full if dim is None or self.gen_tp == 1 else \
+        return full if dim is None or self.gen_tp == 1 else \
             full.chunk(self.gen_tp, dim=dim)[self.gen_tp_rank].clone()
-        return shard, _bytes(full) - _bytes(local)
 
     def _tp_chunk(self, param: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's training tensor-parallel piece of ``param`` (FSDP's dp shards gathered
         first) and the bytes that gather received."""
         local = param.to_local().detach() if isinstance(param, DTensor) else param.detach()
         if isinstance(param, DTensor) and self.trainer.fsdp:
-            # FSDP shards over dp first: gather those (the dp placement becomes Replicate).
+            # FSDP shards over dp first: gather those (the dp placement becomes Replicate),
+            # cast first to the compute dtype (a trained model's FSDP shards are its fp32
+            # master weights; generation runs in the workload's dtype).
+            param = param.detach().to(self.trainer.dtype)
             placements = [Replicate() if mesh_dim == "dp" else p for mesh_dim, p in
                           zip(param.device_mesh.mesh_dim_names or (), param.placements,
                               strict=True)]
             tp_chunk = param.redistribute(param.device_mesh, placements).to_local()
-            return tp_chunk, _bytes(tp_chunk) - _bytes(local)
+            return tp_chunk, _bytes(tp_chunk) - _bytes(param.to_local())
         return local, 0
 
     def _micro_dp_weights(self) -> tuple[dict[str, torch.Tensor], int]:

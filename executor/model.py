@@ -11,8 +11,9 @@ Critic, reward and cost models replace the language-model head with a scalar ``v
 
 from __future__ import annotations
 
-import json
 import math
+import zlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -164,58 +165,122 @@ class CausalLM(nn.Module):
         return self.lm_head(x)
 
 
-def init_weights(model: CausalLM, seed: int) -> None:
-    """Seeded initialisation (normal, std 0.02; output projections scaled by depth), the
-    same on every rank so that every layout starts from the same model."""
-    generator = torch.Generator().manual_seed(seed)
-    depth_scale = 1.0 / math.sqrt(2 * model.spec.layers)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight"))
-                              else 1.0)
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+def tensor_seed(seed: int, name: str) -> int:
+    """The seed of one tensor's initial values: any rank can make any tensor alone, in any
+    order (a stable hash of the name; Python's ``hash`` changes between processes)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def initial_tensor(name: str, shape: tuple[int, ...], layers: int, seed: int) -> torch.Tensor:
+    """Seeded initial value of one parameter (fp32, host): norms 1, biases 0, weights
+    normal with std 0.02 (output projections scaled down by depth)."""
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    std = 0.02
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * layers)
+    generator = torch.Generator().manual_seed(tensor_seed(seed, name))
+    return torch.randn(shape, generator=generator) * std
+
+
+class InitialWeights(Mapping[str, torch.Tensor]):
+    """A model's starting weights by Hugging Face name, each made when asked: the tensor of
+    a local checkpoint directory (``*.safetensors``, read one tensor at a time) where it has
+    one, else the seeded initial value. Nothing ever holds the whole model, so a rank can
+    take just its shards of each tensor. The checkpoint's names and shapes are checked when
+    the mapping is made."""
+
+    def __init__(self, spec: ModelSpec, *, value_head: bool = False, seed: int = 0,
+                 checkpoint: str | Path | None = None):
+        self.spec = spec
+        self.seed = seed
+        with torch.device("meta"):
+            shapes = {name: tuple(t.shape) for name, t in
+                      CausalLM(spec, value_head=value_head).state_dict().items()}
+        self.shapes = shapes
+        self.files: dict[str, Path] = {}
+        if checkpoint is not None:
+            self.files = checkpoint_index(Path(checkpoint), shapes, spec)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        if name == "lm_head.weight" and self.spec.tied_embeddings:
+            name = "model.embed_tokens.weight"
+        if name in self.files:
+            from safetensors import safe_open
+
+            with safe_open(str(self.files[name]), framework="pt") as handle:
+                return handle.get_tensor(name).float()
+        return initial_tensor(name, self.shapes[name], self.spec.layers, self.seed)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def checkpoint_index(directory: Path, shapes: dict[str, tuple[int, ...]],
+                     spec: ModelSpec) -> dict[str, Path]:
+    """Which ``*.safetensors`` file of ``directory`` holds each of the model's tensors,
+    reading only the files' headers; SpecError naming a tensor the model needs and the
+    checkpoint lacks, or one whose shape differs."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise SpecError(f"no *.safetensors files in {directory}", key="checkpoint")
+    where: dict[str, Path] = {}
+    found: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                where[name] = file
+                found[name] = tuple(handle.get_slice(name).get_shape())
+    # A critic or reward model started from a language model keeps its fresh value head.
+    missing = [k for k in shapes if k not in found and not k.startswith("value_head.")
+               and not (k == "lm_head.weight" and spec.tied_embeddings)]
+    if missing:
+        raise SpecError(f"checkpoint {directory} lacks {missing[0]} (and {len(missing) - 1} "
+                        "more)", key="checkpoint")
+    for name, shape in shapes.items():
+        if name in found and found[name] != shape:
+            raise SpecError(f"checkpoint {directory}: {name} has shape {found[name]}, the "
+                            f"model expects {shape}", key="checkpoint")
+    return {name: where[name] for name in shapes if name in where}
+
+
+@torch.no_grad()
+def materialise(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Fill a model whose parameters were allocated uninitialised (``to_empty``) with
+    ``weights``: each rank copies only its shard of each tensor (DTensor parameters take
+    their local piece of the whole tensor, which is made one at a time on the host)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in model.named_parameters():
+        whole = weights[name]
+        if isinstance(param, DTensor):
+            piece = distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh,
+                                      param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(piece)
+        else:
+            param.copy_(whole)
+        del whole  # before the next one is made: one whole tensor at a time
 
 
 def build_model(spec: ModelSpec, *, value_head: bool = False, seed: int = 0,
                 checkpoint: str | Path | None = None) -> CausalLM:
-    """A model with seeded random weights, or the weights of a local Hugging Face checkpoint
-    directory (``config.json`` + ``*.safetensors``); nothing is downloaded."""
-    model = CausalLM(spec, value_head=value_head)
-    init_weights(model, seed)
-    if checkpoint is not None:
-        load_checkpoint(model, checkpoint)
+    """A whole model (for one process: tests, references) with seeded random weights, or
+    the weights of a local Hugging Face checkpoint directory (``config.json`` +
+    ``*.safetensors``); nothing is downloaded."""
+    weights = InitialWeights(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
+    with torch.device("meta"):
+        model = CausalLM(spec, value_head=value_head)
+    model.to_empty(device="cpu")
+    if spec.tied_embeddings and not value_head:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    materialise(model, weights)
     return model
-
-
-def load_checkpoint(model: CausalLM, directory: str | Path) -> None:
-    """Load ``*.safetensors`` weights by Hugging Face parameter names (strict on shapes)."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise SpecError(f"no *.safetensors files in {directory}", key="checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        json.loads(index.read_text())  # validates the index; shards are globbed below
-    for file in files:
-        state.update(load_file(str(file)))
-    own = model.state_dict()
-    # A critic or reward model started from a language model keeps its fresh value head.
-    missing = [k for k in own if k not in state and not k.startswith("value_head.")
-               and not (k == "lm_head.weight" and model.spec.tied_embeddings)]
-    if missing:
-        raise SpecError(f"checkpoint {directory} lacks {missing[0]} (and {len(missing) - 1} "
-                        "more)", key="checkpoint")
-    for name, tensor in own.items():
-        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
-            raise SpecError(f"checkpoint {directory}: {name} has shape "
-                            f"{tuple(state[name].shape)}, the model expects "
-                            f"{tuple(tensor.shape)}", key="checkpoint")
-    model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)

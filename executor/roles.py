@@ -48,6 +48,12 @@ class RoleConfig:
     """Actor only: native (this project's sampler) or vllm."""
     training_backend: str = "torch"
     """torch (FSDP2 / DTensor) or megatron (Megatron-core)."""
+    dtype: str = "fp32"
+    """The workload's compute dtype (bf16 or fp32); optimizer states and log-prob math stay
+    fp32."""
+    kv_cache_budget_bytes: int | None = None
+    """Actor only: the KV-cache bytes per GPU the plan leaves generation (the simulator's
+    budget); None: the engine's own default."""
 
 
 def build_trainer(config: RoleConfig) -> Any:
@@ -57,10 +63,11 @@ def build_trainer(config: RoleConfig) -> Any:
 
         return MegatronTrainer(config.spec, config.parallel, value_head=config.value_head,
                                seed=config.seed, trainable=config.trainable,
-                               optim=config.optim, checkpoint=config.checkpoint)
+                               optim=config.optim, checkpoint=config.checkpoint,
+                               dtype=config.dtype)
     return Trainer(config.spec, config.parallel, value_head=config.value_head,
                    seed=config.seed, trainable=config.trainable, optim=config.optim,
-                   checkpoint=config.checkpoint)
+                   checkpoint=config.checkpoint, dtype=config.dtype)
 
 
 class Role:
@@ -112,12 +119,13 @@ class ActorRole(Role):
         if config.training_backend == "megatron":
             from executor.backends.megatron_hybrid import MegatronHybridEngine
 
-            self.hybrid: Any = MegatronHybridEngine(self.trainer, config.generation,
-                                                    backend=config.generation_backend,
-                                                    seed=config.seed)
+            self.hybrid: Any = MegatronHybridEngine(
+                self.trainer, config.generation, backend=config.generation_backend,
+                seed=config.seed, kv_cache_budget_bytes=config.kv_cache_budget_bytes)
         else:
             self.hybrid = HybridEngine(self.trainer, config.generation, config.transition,
-                                       backend=config.generation_backend, seed=config.seed)
+                                       backend=config.generation_backend, seed=config.seed,
+                                       kv_cache_budget_bytes=config.kv_cache_budget_bytes)
 
     @protocol(Protocol.MICRO_DP)
     def generate(self, batch: Batch) -> Batch:

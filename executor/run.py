@@ -47,6 +47,9 @@ class ExecutionOptions:
     worker_setup: str | None = None
     """``module:function`` every worker imports and calls before building models
     (site-specific preparation)."""
+    checkpoints: dict[str, str] = field(default_factory=dict)
+    """role -> local Hugging Face checkpoint directory its model starts from (the reference
+    takes the actor's when it has none of its own and the same model)."""
     worker_logs: bool | None = None
     """Show the workers' output (CUDA and NCCL messages, out-of-memory reports) on the
     driver's stderr; None: on with ``address``, off for a local Ray."""
@@ -68,12 +71,13 @@ class RunResult:
 def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> None:
     """Everything that can be checked before a worker starts; raises SpecError."""
     from executor.backends import check_available, check_megatron_layout
-    from executor.trainer import check_layout
+    from executor.trainer import check_layout, compute_dtype
 
     if job.algorithm not in SUPPORTED_ALGORITHMS:
         raise SpecError(f"the executor runs {', '.join(SUPPORTED_ALGORITHMS)}; "
                         f"{job.algorithm} is planned but not executable yet", key="algorithm")
     plan.validate(job)
+    compute_dtype(job.workload.dtype)
     chosen_backends = effective_backends(job, plan)
     for role in job.gpu_roles:
         rp = plan.roles[role]
@@ -121,11 +125,36 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                             key="workload.prompts_per_iteration")
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
+    check_checkpoints(job, options.checkpoints)
+    budget = planned_kv_cache_budget_bytes(job, plan)
+    if budget is not None and budget <= 0:
+        raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
+                        f"({budget / 2**30:.1f} GiB per GPU on {job.cluster.device}); plan "
+                        "again or give the set more GPUs", key="roles.actor.generation")
     # Megatron roles of one set share Megatron's (per-process) parallel state.
     from dataclasses import replace
 
     replace(plan, roles={role: replace(rp, training_backend=chosen_backends[role][0])
                          for role, rp in plan.roles.items()}).check_backends()
+
+
+def check_checkpoints(job: JobSpec, checkpoints: dict[str, str]) -> None:
+    """Each checkpoint names a role on GPUs and a directory whose tensors have the names and
+    shapes of that role's model (read from the files' headers, before any worker starts)."""
+    from executor.model import InitialWeights
+
+    for role, directory in checkpoints.items():
+        key = f"--checkpoint {role}"
+        if role not in job.gpu_roles:
+            raise SpecError(f"{role} is not a model of this job on GPUs (roles: "
+                            f"{', '.join(job.gpu_roles)})", key=key)
+        if not Path(directory).is_dir():
+            raise SpecError(f"{directory} is not a directory", key=key)
+        try:
+            InitialWeights(job.model(role), value_head=role in VALUE_HEAD_ROLES,
+                           checkpoint=directory)
+        except SpecError as exc:
+            raise SpecError(exc.problem, key=key) from None
 
 
 def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:
@@ -140,6 +169,16 @@ def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:
     return out
 
 
+def planned_kv_cache_budget_bytes(job: JobSpec, plan: Plan) -> int | None:
+    """The KV-cache bytes per GPU the simulator leaves the actor's generation under this plan
+    (what the engine may use; None when the job generates nothing)."""
+    from simulator.predict import estimate_plan, first_generate_node
+
+    node = estimate_plan(job, plan).nodes.get(first_generate_node(job))
+    budget = node.detail.get("kv_budget_bytes") if node is not None else None
+    return None if budget is None else int(budget)
+
+
 def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
     from executor.generation import SamplingParams
     from executor.roles import RoleConfig
@@ -150,6 +189,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
     work = job.workload
     rl = options.rl.resolved(job.algorithm)
     backends = effective_backends(job, plan)
+    kv_budget = planned_kv_cache_budget_bytes(job, plan)
     configs = {}
     for index, role in enumerate(job.gpu_roles):
         rp = plan.roles[role]
@@ -167,13 +207,17 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
             rl=rl, sampling=sampling, ppo_epochs=work.ppo_epochs,
             mini_batches=work.mini_batches_per_epoch,
             infer_micro_batch=work.infer_micro_batch_size, transition=options.transition,
-            generation_backend=backends[role][1], training_backend=backends[role][0])
+            generation_backend=backends[role][1], training_backend=backends[role][0],
+            dtype=work.dtype, checkpoint=options.checkpoints.get(role),
+            kv_cache_budget_bytes=kv_budget if rp.generation is not None else None)
     # The reference starts as a copy of the actor: same seed, same model.
     if "ref" in configs and "actor" in configs and \
             job.model("ref") == job.model("actor"):
         from dataclasses import replace
 
-        configs["ref"] = replace(configs["ref"], seed=configs["actor"].seed)
+        configs["ref"] = replace(configs["ref"], seed=configs["actor"].seed,
+                                 checkpoint=options.checkpoints.get(
+                                     "ref", options.checkpoints.get("actor")))
     return configs
 
 
@@ -315,7 +359,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                                 "transition": options.transition,
                                 "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
                                 "rl": to_mapping(options.rl), "task": to_mapping(options.task),
-                                "reward_warmup_steps": options.reward_warmup_steps},
+                                "reward_warmup_steps": options.reward_warmup_steps,
+                                "checkpoints": dict(options.checkpoints)},
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,

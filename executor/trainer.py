@@ -9,28 +9,42 @@ Anything else is rejected by ``check_layout`` before a worker starts.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
+    loss_parallel,
     parallelize_module,
 )
 
 from executor.device import shared_mesh, worker_device
-from executor.model import CausalLM, build_model
+from executor.model import CausalLM, InitialWeights, materialise
 from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The workload dtypes the executor computes in (fp16 would need loss scaling)."""
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a workload ``dtype``; SpecError for one the executor cannot run."""
+    if name not in COMPUTE_DTYPES:
+        raise SpecError(f"the executor computes in {' or '.join(COMPUTE_DTYPES)}; {name} "
+                        "needs loss scaling, which it does not run", key="workload.dtype")
+    return COMPUTE_DTYPES[name]
 
 
 def check_layout(spec: ModelSpec, par: ParallelConfig, key: str,
@@ -66,7 +80,9 @@ def tensor_parallel_plan(spec: ModelSpec, value_head: bool) -> dict:
     """Megatron-style column/row split of every block, vocabulary-parallel embedding/head."""
     plan: dict = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate())}
     if not value_head:
-        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        # Logits stay split over the vocabulary (a DTensor): log-probabilities are computed
+        # with a vocabulary-parallel softmax, never gathering the full logits on a rank.
+        plan["lm_head"] = ColwiseParallel(use_local_output=False)
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         plan.update({
@@ -79,54 +95,68 @@ def tensor_parallel_plan(spec: ModelSpec, value_head: bool) -> dict:
     return plan
 
 
-def move_plain_tensors(model: torch.nn.Module, device: torch.device) -> None:
-    """Move the parameters and buffers that are plain tensors (not DTensor shards, which
-    already live on their mesh's device) to ``device``, keeping tied parameters tied."""
-    moved: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or isinstance(param, DTensor) or param.device == device:
-                continue
-            if id(param) not in moved:
-                moved[id(param)] = torch.nn.Parameter(param.detach().to(device),
-                                                      requires_grad=param.requires_grad)
-            module._parameters[name] = moved[id(param)]
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+def norm_share(param: torch.Tensor) -> float:
+    """The fraction of ``param``'s squared gradient norm this rank adds to the global sum:
+    1 / (ranks holding the same local piece). A tensor replicated on all ranks counts once;
+    a DTensor's copies are the ranks of its mesh's replicated dimensions and the ranks
+    outside its mesh."""
+    shards = 1
+    if isinstance(param, DTensor):
+        for dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                shards *= param.device_mesh.size(dim)
+    return shards / dist.get_world_size()
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(grads: list[tuple[torch.Tensor, float]], max_norm: float) -> float:
     """Global gradient norm over every rank's shards, in one all-reduce; scales gradients
-    down to ``max_norm`` (0: measure only).
-
-    Each rank adds its local squares divided by how many ranks hold the same shard (a
-    tensor replicated on all ranks counts once; a DTensor's copies are the ranks of its
-    mesh's replicated dimensions and the ranks outside its mesh)."""
-    world = dist.get_world_size()
+    down to ``max_norm`` (0: measure only). ``grads``: (local gradient, its ``norm_share``)."""
     squares = torch.zeros((), dtype=torch.float64, device=worker_device())
-    for p in params:
-        if p.grad is None:
-            continue
-        grad = p.grad
-        if isinstance(grad, DTensor):
-            shards = 1
-            for dim, placement in enumerate(grad.placements):
-                if placement.is_shard():
-                    shards *= grad.device_mesh.size(dim)
-            local = grad.to_local()
-        else:
-            shards, local = 1, grad
-        squares += local.detach().double().pow(2).sum() * shards / world
-    if world > 1:
+    for grad, share in grads:
+        squares += grad.detach().double().pow(2).sum() * share
+    if dist.get_world_size() > 1:
         dist.all_reduce(squares)
     norm = float(squares.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        for grad, _ in grads:
+            grad.mul_(scale)
     return norm
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor (the tensor itself when it is not a DTensor)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class MainParams:
+    """Megatron's mixed precision for a model whose weights are held in 16 bits: fp32 master
+    copies of this rank's shards, which the optimizer updates, and fp32 main gradients the
+    micro-batches accumulate into (kept between steps, as Megatron's gradient buffer)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.masters = [local(p).detach().float().clone().requires_grad_(True) for p in params]
+        for master in self.masters:
+            master.grad = torch.zeros_like(master)
+
+    def accumulate(self) -> None:
+        """Add the micro-batch's 16-bit gradients into the fp32 main gradients, and free them."""
+        for param, master in zip(self.params, self.masters, strict=True):
+            grad = param.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor) and grad.placements != param.placements:
+                # DTensor's bf16 embedding backward returns the gradient replicated.
+                grad = grad.redistribute(param.device_mesh, param.placements)
+            master.grad.add_(local(grad))
+            param.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """The updated master weights, rounded into the model's weights."""
+        for param, master in zip(self.params, self.masters, strict=True):
+            local(param).copy_(master)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +169,19 @@ class OptimConfig:
 
 
 class Trainer:
-    """One model on all ranks of the current process group, laid out as ``par``."""
+    """One model on all ranks of the current process group, laid out as ``par``, computing
+    in ``dtype`` (the workload's).
+
+    Precision: in bf16, FSDP2 keeps a trained model's shards in fp32 (they are the
+    optimizer's master weights) and casts each layer to bf16 as it gathers it, reducing
+    gradients in fp32 (``MixedPrecisionPolicy``); replicated and tensor-parallel layouts hold
+    bf16 weights with fp32 master copies and main gradients (``MainParams``, Megatron's
+    scheme); models that do not train hold bf16 weights only. Log-probabilities, values and
+    losses are computed in fp32. These are the bytes the simulator's memory model counts."""
 
     def __init__(self, spec: ModelSpec, par: ParallelConfig, *, value_head: bool, seed: int,
                  trainable: bool, optim: OptimConfig | None = None,
-                 checkpoint: str | None = None):
+                 checkpoint: str | None = None, dtype: str = "fp32"):
         world = dist.get_world_size()
         if par.world_size != world:
             raise SpecError(f"pp*tp*dp = {par.world_size} but the worker group has {world} "
@@ -151,42 +189,75 @@ class Trainer:
         self.spec = spec
         self.par = par
         self.trainable = trainable
+        self.dtype = compute_dtype(dtype)
         self.mesh: DeviceMesh = shared_mesh((par.dp, par.tp), ("dp", "tp"))
         self.dp_group = self.mesh.get_group("dp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.tp_rank = self.mesh.get_local_rank("tp")
-        # Built on the CPU: tensor parallelism and FSDP move each parameter's shard (FSDP:
-        # each unit) to the device as they split it, so no GPU ever holds the whole model.
-        model = build_model(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
+        # Built on the meta device (shapes only), sharded, then only this rank's shards are
+        # allocated on its device and filled, one whole tensor at a time on the host: no
+        # host or GPU ever holds the whole model.
+        weights = InitialWeights(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
+        with torch.device("meta"):
+            model = CausalLM(spec, value_head=value_head)
+        if spec.tied_embeddings and not value_head:
+            model.lm_head.weight = model.model.embed_tokens.weight
         self.fsdp = par.sharding == "fsdp" and par.dp > 1
-        if par.tp == 1 and not self.fsdp:
-            model.to(worker_device())  # a whole replica per GPU anyway
+        if not (self.fsdp and trainable):
+            model.to(self.dtype)
         if par.tp > 1:
             parallelize_module(model, self.mesh["tp"], tensor_parallel_plan(spec, value_head))
             if spec.tied_embeddings and not value_head:
                 model.lm_head.weight = model.model.embed_tokens.weight
         if self.fsdp:
+            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
             for layer in model.model.layers:
-                fully_shard(layer, mesh=self.mesh["dp"])
-            fully_shard(model, mesh=self.mesh["dp"])
-        move_plain_tensors(model, worker_device())  # e.g. norms, which tp leaves replicated
+                fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy)
+            fully_shard(model, mesh=self.mesh["dp"], mp_policy=policy)
+        model.to_empty(device=worker_device())
+        if spec.tied_embeddings and not value_head and not self.fsdp:
+            model.lm_head.weight = model.model.embed_tokens.weight  # to_empty untied them
+        materialise(model, weights)
         if not trainable:
             model.requires_grad_(False)
         self.model: CausalLM = model
         self.optim = optim or OptimConfig()
-        # foreach=False: parameters mix plain tensors (norms) and DTensors (sharded weights).
-        self.optimizer = (torch.optim.AdamW(model.parameters(), lr=self.optim.lr,
-                                            weight_decay=self.optim.weight_decay,
-                                            foreach=False)
-                          if trainable else None)
+        params = list(model.parameters())
+        self.shares = [norm_share(p) for p in params]
+        self.main: MainParams | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        if trainable:
+            if self.dtype != torch.float32 and not self.fsdp:
+                self.main = MainParams(params)
+                groups = [self.main.masters]
+            else:
+                # foreach kernels take one kind of tensor per group: DTensor shards apart
+                # from the plain tensors tensor parallelism leaves replicated (norms).
+                groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                                      [p for p in params if not isinstance(p, DTensor)]) if g]
+                if not self.fsdp:
+                    for p in params:  # resident gradients, as Megatron's gradient buffer
+                        p.grad = torch.zeros_like(p)
+            self.optimizer = torch.optim.AdamW([{"params": g} for g in groups],
+                                               lr=self.optim.lr,
+                                               weight_decay=self.optim.weight_decay,
+                                               foreach=True)
 
     # ----- forward -----
 
     def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """log p(token_t | tokens_<t) for t >= 1: shape (batch, tokens - 1)."""
-        logits = self.model(input_ids).float()
-        return torch.log_softmax(logits[:, :-1], dim=-1).gather(
-            -1, input_ids[:, 1:, None]).squeeze(-1)
+        """log p(token_t | tokens_<t) for t >= 1: shape (batch, tokens - 1), in fp32."""
+        logits = self.model(input_ids)
+        targets = input_ids[:, 1:]
+        if isinstance(logits, DTensor):
+            # Vocabulary-parallel: each rank holds a slice of every position's logits; the
+            # softmax's max and sum and the target's logit are all-reduced, not the logits.
+            shaped = logits[:, :-1].float().flatten(0, 1)
+            with loss_parallel():
+                nll = F.cross_entropy(shaped, targets.flatten(), reduction="none")
+            return -local(nll).view_as(targets)
+        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(
+            -1, targets[..., None]).squeeze(-1)
 
     def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Value of each prefix (batch, tokens)."""
@@ -203,6 +274,10 @@ class Trainer:
         parts = [self.token_values(input_ids[s]) if values else
                  self.token_log_probs(input_ids[s])
                  for s in self.micro_batches(len(input_ids), micro)]
+        if self.fsdp:
+            # FSDP2 keeps the root's gathered weights (embedding, head) after a forward that
+            # no backward follows: free them, as the planner assumes between operations.
+            self.model.reshard()
         self.model.train(was_training)
         return torch.cat(parts)
 
@@ -215,30 +290,112 @@ class Trainer:
         and, when replicated, over the data-parallel ranks)."""
         assert self.optimizer is not None
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        params = list(self.model.parameters())
         total = sum(len(b["input_ids"]) for b in batches)
         metrics: dict[str, float] = {}
         for micro in batches:
             loss, stats = loss_fn(self, micro)
-            (loss * len(micro["input_ids"]) / total).backward()
+            # The vocabulary-parallel softmax's backward runs under the same context.
+            with loss_parallel() if self.par.tp > 1 else contextlib.nullcontext():
+                (loss * len(micro["input_ids"]) / total).backward()
+            if self.main is not None:
+                self.main.accumulate()
             for key, value in stats.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value) * len(micro["input_ids"]) \
                     / total
+        grads = (self.main.masters if self.main is not None else params)
+        pairs = [(local(p.grad), share) for p, share in zip(grads, self.shares, strict=True)
+                 if p.grad is not None]
         if self.par.dp > 1 and not self.fsdp:
             # Replicas average their gradients in one bucket, as DDP does.
-            grads = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-                     for p in self.model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1) for g, _ in pairs])
             dist.all_reduce(flat, group=self.dp_group)
             flat.div_(self.par.dp)
             offset = 0
-            for g in grads:
+            for g, _ in pairs:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        norm = clip_grad_norm(list(self.model.parameters()), self.optim.grad_clip)
-        metrics["grad_norm"] = norm
+        metrics["grad_norm"] = clip_grad_norm(pairs, self.optim.grad_clip)
         self.optimizer.step()
+        if self.main is not None:
+            self.main.copy_to_model()
+        # FSDP frees its gradients until the next step (the simulator counts them only while
+        # the model trains); the other layouts keep theirs, zeroed, as Megatron does. (Not
+        # Optimizer.zero_grad: its foreach zeroing mixes DTensors with plain tensors.)
+        for p in grads:
+            if self.fsdp:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
         return metrics
+
+    # ----- offload -----
+
+    @torch.no_grad()
+    def offload(self, *, optimizer: bool, grads: bool) -> int:
+        """Move the states only training uses to host memory while generation runs (the
+        framework profile's ``offload``): optimizer states with the fp32 master weights,
+        and the resident gradients. Returns the bytes moved; ``reload`` brings them back."""
+        moved = 0
+        host = torch.device("cpu")
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        moved += local(value).numel() * value.element_size()
+                        state[key] = value.to(host, non_blocking=True)
+            if self.main is not None:
+                for master in self.main.masters:
+                    moved += master.numel() * master.element_size()
+                    master.data = master.data.to(host, non_blocking=True)
+        if grads:
+            holders = self.main.masters if self.main is not None else \
+                list(self.model.parameters())
+            for holder in holders:
+                if holder.grad is not None and not isinstance(holder.grad, DTensor):
+                    moved += holder.grad.numel() * holder.grad.element_size()
+                    holder.grad.data = holder.grad.data.to(host, non_blocking=True)
+        return moved
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        """Bring back what ``offload`` moved to host memory."""
+        device = worker_device()
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                            value.device != device:
+                        state[key] = value.to(device, non_blocking=True)
+        holders = (self.main.masters if self.main is not None else
+                   list(self.model.parameters()))
+        for holder in holders:
+            if holder.device != device:
+                holder.data = holder.data.to(device, non_blocking=True)
+            if holder.grad is not None and not isinstance(holder.grad, DTensor) and \
+                    holder.grad.device != device:
+                holder.grad.data = holder.grad.data.to(device, non_blocking=True)
+
+    def resident_bytes(self) -> int:
+        """Bytes of this rank's states on its device (what offloading frees)."""
+        device = worker_device()
+        return sum(n for n, where in self._state_tensors() if where == device)
+
+    def _state_tensors(self) -> Iterator[tuple[int, torch.device]]:
+        """(bytes, device) of every parameter, gradient and optimizer tensor of this rank."""
+        for p in self.model.parameters():
+            yield local(p).numel() * p.element_size(), local(p).device
+            if p.grad is not None:
+                yield local(p.grad).numel() * p.grad.element_size(), local(p.grad).device
+        if self.main is not None:
+            for m in self.main.masters:
+                yield m.numel() * m.element_size(), m.device
+                yield m.grad.numel() * m.grad.element_size(), m.grad.device
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        yield local(v).numel() * v.element_size(), local(v).device
 
     # ----- state -----
 
@@ -248,14 +405,18 @@ class Trainer:
                 for name, p in self.model.named_parameters()}
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds: parameters, gradients, optimizer states."""
+        """Bytes this rank holds: parameters, gradients (fp32 main gradients included),
+        optimizer states (fp32 master weights included)."""
         def size(t: torch.Tensor) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
+            t = local(t)
             return t.numel() * t.element_size()
 
         params = sum(size(p) for p in self.model.parameters())
         grads = sum(size(p.grad) for p in self.model.parameters() if p.grad is not None)
         optimizer = 0
+        if self.main is not None:
+            grads += sum(size(m.grad) for m in self.main.masters)
+            optimizer += sum(size(m) for m in self.main.masters)
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 optimizer += sum(size(v) for v in state.values()

@@ -700,11 +700,15 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
                    "compatibility layer this way).")
 @click.option("--worker-logs/--no-worker-logs", default=None,
               help="Show the workers' output on stderr (default: on with --address).")
+@click.option("--checkpoint", "checkpoints", multiple=True, metavar="ROLE=DIR",
+              help="Start a role from a local Hugging Face checkpoint directory (safetensors "
+                   "with Hugging Face Llama parameter names; repeatable). The reference "
+                   "takes the actor's unless given its own.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
-            as_json: bool) -> None:
+            checkpoints: tuple[str, ...], as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -724,6 +728,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                actor_lr=lr, critic_lr=lr, reward_warmup_steps=reward_warmup,
                                rl=_rl_config(rl_settings), worker_setup=worker_setup,
                                worker_logs=worker_logs,
+                               checkpoints=_role_paths(checkpoints, "--checkpoint"),
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)
@@ -753,6 +758,19 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
 
 # ----------------------------------------------------------------------------------------------
 # profile / calibrate / accuracy
+
+
+def _role_paths(settings: tuple[str, ...], option: str) -> dict[str, str]:
+    """role -> path from repeated ``ROLE=PATH`` flags."""
+    out: dict[str, str] = {}
+    for setting in settings:
+        role, sep, path = setting.partition("=")
+        if not sep or not role.strip() or not path.strip():
+            raise SpecError(f"expected ROLE=DIR, got {setting!r}", key=option)
+        if role.strip() in out:
+            raise SpecError(f"{role.strip()} is given twice", key=option)
+        out[role.strip()] = path.strip()
+    return out
 
 
 def _rl_config(settings: tuple[str, ...]) -> Any:

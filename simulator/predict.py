@@ -279,6 +279,7 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                     "decode_steps": float(cost.decode_steps),
                     "max_running": float(cost.max_running),
                     "kv_capacity_tokens": cost.kv_capacity_tokens,
+                    "kv_budget_bytes": budget,
                     "replicas": float(replicas),
                     "generated_tokens_per_replica": float(cost.generated_tokens)},
             feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)

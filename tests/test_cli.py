@@ -29,7 +29,10 @@ def run_json(*args: str) -> dict:
 # linear weights + 2 h norm weights; embedding and untied head h v each.
 LLAMA2_7B_PER_LAYER = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
 LLAMA2_7B_PARAMS = 32 * LLAMA2_7B_PER_LAYER + 2 * 32000 * 4096 + 4096  # + final norm
-TP2_LOCAL_PARAMS = (32 * LLAMA2_7B_PER_LAYER + 2 * 32000 * 4096) / 2  # final norm not counted
+# One of two tensor-parallel ranks: half of every matrix, embedding and head; the norms (2 per
+# layer and the final one) whole on both ranks.
+TP2_LOCAL_PARAMS = (32 * (LLAMA2_7B_PER_LAYER - 2 * 4096) + 2 * 32000 * 4096) / 2 \
+    + 32 * 2 * 4096 + 4096
 
 
 def test_estimate_train_memory_and_mfu_by_hand() -> None:

@@ -183,8 +183,10 @@ def _generate(group: WorkerGroup, tp: int, gen_tp: int) -> tuple[Batch, list[dic
 
 
 def _sharded_bytes(tp: int) -> int:
+    """Bytes of the tensor-parallel weights in the job's dtype (bf16: the actor trains and
+    generates in it)."""
     model = build_model(MODEL_PRESETS["tiny-2l"])
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+    return sum(p.numel() * 2 for n, p in model.named_parameters()
                if tp_shard_dim(n) is not None)
 
 

@@ -358,18 +358,9 @@ def test_batches_travel_as_cpu_arrays_and_move_to_the_worker_device() -> None:
     assert torch.equal(back["ids"], batch["ids"]) and back.meta == {"k": 1}
 
 
-def test_plain_tensors_move_to_the_device_and_ties_survive() -> None:
+def test_the_workers_gpu_index_comes_from_rays_gpu_ids() -> None:
     from executor.device import local_gpu_index
-    from executor.trainer import move_plain_tensors
 
-    first, second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
-    second.weight = first.weight
-    model = torch.nn.Sequential(first, second)
-    model.register_buffer("scale", torch.ones(2))
-    move_plain_tensors(model, torch.device("meta"))  # a device other than the CPU
-    assert all(p.device.type == "meta" for p in model.parameters())
-    assert model.scale.device.type == "meta"
-    assert model[0].weight is model[1].weight
     # Ray's GPU id -> the worker's CUDA index (Ray usually narrows CUDA_VISIBLE_DEVICES).
     assert local_gpu_index([5], "5") == 0
     assert local_gpu_index([5], "4,5") == 1

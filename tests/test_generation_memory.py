@@ -69,7 +69,9 @@ def _per_parameter_transition(hybrid) -> tuple[dict[str, torch.Tensor], int]:
     shards: dict[str, torch.Tensor] = {}
     received = 0
     for name, param in hybrid.trainer.model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param.detach()
+        # In the compute dtype: a trained FSDP model's fp32 master shards are cast first.
+        param = param.detach().to(hybrid.trainer.dtype)
+        local = param.to_local() if isinstance(param, DTensor) else param
         tp_chunk = local
         if isinstance(param, DTensor) and hybrid.trainer.fsdp:
             placements = [Replicate() if mesh_dim == "dp" else p for mesh_dim, p in

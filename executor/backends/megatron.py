@@ -15,6 +15,7 @@ without GPUs only the tests run it, through ``tests/compat/megatron_cpu.py``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -145,7 +146,8 @@ def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
         rotary_base=int(spec.rope_theta), vp_stage=vp_stage)
     if value_head and model.post_process:
-        model.output_layer = ValueHead(spec.hidden, sequence_parallel=config.sequence_parallel)
+        model.output_layer = ValueHead(spec.hidden, sequence_parallel=config.sequence_parallel
+                                       ).to(dtype)
     return model
 
 
@@ -185,7 +187,7 @@ def split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.cat(q), torch.cat(k), torch.cat(v)
 
 
-def import_hf(model: Any, hf: dict[str, torch.Tensor], spec: ModelSpec, par: ParallelConfig,
+def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: ParallelConfig,
               *, tp_rank: int, pp_rank: int, vp_stage: int | None = None) -> None:
     """Copy this rank's shards of whole Hugging Face tensors into a Megatron stage."""
     tp = par.tp
@@ -423,10 +425,12 @@ class MegatronTrainer:
     ``par`` (one layout per process: Megatron's parallel state is global)."""
 
     def __init__(self, spec: ModelSpec, par: ParallelConfig, *, value_head: bool, seed: int,
-                 trainable: bool, optim: Any = None, checkpoint: str | None = None):
+                 trainable: bool, optim: Any = None, checkpoint: str | None = None,
+                 dtype: str = "fp32"):
         from megatron.core import parallel_state as ps
 
-        from executor.model import build_model
+        from executor.model import InitialWeights
+        from executor.trainer import compute_dtype
 
         initialize_parallel(par, seed)
         self.spec = spec
@@ -434,18 +438,21 @@ class MegatronTrainer:
         self.value_head = value_head
         self.trainable = trainable
         self.fsdp = False
+        # bf16 weights, fp32 main gradients (grad_reduce_in_fp32) and fp32 master weights in
+        # the optimizer: Megatron's mixed precision.
+        self.dtype = compute_dtype(dtype)
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         stages = [None] if par.vpp == 1 else list(range(par.vpp))
         self.chunks = [build_gpt(spec, par, value_head=value_head, pp_rank=self.pp_rank,
-                                 vp_stage=stage) for stage in stages]
-        # Every layout starts from the same weights: the torch model's, by Hugging Face name.
-        reference = build_model(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
-        hf = {name: t.detach() for name, t in reference.state_dict().items()}
+                                 vp_stage=stage, dtype=self.dtype) for stage in stages]
+        # Every layout starts from the same weights as the torch backend, by Hugging Face
+        # name, each whole tensor made (or read from the checkpoint) only when this rank's
+        # stage needs a shard of it: no rank ever holds the whole model.
+        hf = InitialWeights(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
         for stage, chunk in zip(stages, self.chunks, strict=True):
             import_hf(chunk, hf, spec, par, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                       vp_stage=stage)
-        del reference, hf
         self.optimizer = None
         self.defer_param_gather = False
         self.config = self.chunks[0].config
@@ -474,8 +481,8 @@ class MegatronTrainer:
         lr = getattr(optim, "lr", 1e-3)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=getattr(optim, "weight_decay", 0.0),
-            clip_grad=getattr(optim, "grad_clip", 1.0), bf16=False, fp16=False,
-            params_dtype=torch.float32, use_distributed_optimizer=distributed_optimizer,
+            clip_grad=getattr(optim, "grad_clip", 1.0), bf16=self.dtype == torch.bfloat16,
+            fp16=False, params_dtype=self.dtype, use_distributed_optimizer=distributed_optimizer,
             adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8), self.chunks)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = [chunk.no_sync for chunk in self.chunks] \
@@ -665,4 +672,11 @@ class MegatronTrainer:
                 for entry in state.values():
                     optimizer += sum(v.numel() * v.element_size() for v in entry.values()
                                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+                # Mixed precision: the fp32 master copies of the 16-bit weights (this rank's
+                # shard of them with the distributed optimizer).
+                for attribute in ("fp32_from_float16_groups",
+                                  "shard_fp32_from_float16_groups"):
+                    for group in getattr(inner, attribute, None) or []:
+                        optimizer += sum(t.numel() * t.element_size() for t in group
+                                         if t is not None)
         return {"params": params, "grads": grads, "optimizer": optimizer}

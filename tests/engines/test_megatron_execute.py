@@ -26,7 +26,9 @@ COMPARED = ("actor_policy_loss", "actor_grad_norm", "actor_clip_fraction", "crit
             "critic_grad_norm", "response_tokens")
 
 
-def _job(tmp_path: Path, gpus: int, backends: dict, model: str = "tiny-2l-hd32") -> Path:
+def _job(tmp_path: Path, gpus: int, backends: dict, model: str = "tiny-2l-hd32",
+         dtype: str = "fp32") -> Path:
+    """A PPO job; fp32 by default, so that two backends agree to reduction order."""
     job = tmp_path / f"job-{len(list(tmp_path.iterdir()))}.json"
     job.write_text(json.dumps({
         "algorithm": "ppo", "models": {"actor": model, "critic": model, "ref": model,
@@ -34,7 +36,7 @@ def _job(tmp_path: Path, gpus: int, backends: dict, model: str = "tiny-2l-hd32")
         "cluster": {"nodes": 1, "gpus_per_node": gpus}, "backends": backends,
         "workload": {"prompts_per_iteration": 8, "prompt_length": 5, "response_length": 5,
                      "mini_batches_per_epoch": 2, "train_micro_batch_size": 1,
-                     "infer_micro_batch_size": 4}}))
+                     "infer_micro_batch_size": 4, "dtype": dtype}}))
     return job
 
 
@@ -153,3 +155,34 @@ def test_a_plan_made_by_plain_hybridflow_plan_executes(tmp_path: Path) -> None:
     plan = json.loads((report / "plan.json").read_text())
     assert {rp["training_backend"] for rp in plan["roles"].values()} <= {"torch", "megatron"}
     _execute(report / "plan.json", job, tmp_path / "run", True)
+
+
+def test_megatron_roles_run_in_bf16_and_hold_the_simulators_state_bytes(
+        tmp_path: Path) -> None:
+    """The job's bf16 on the Megatron backend: bf16 weights, fp32 main gradients and fp32
+    master weights + Adam moments in the optimizer, the bytes the simulator's memory model
+    counts for the same layout (tp 2; the reference does not train: weights only)."""
+    from simulator.costs.training import optimizer_memory
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
+    par = _layout(tp=2, dp=1, sharding="none")
+    roles = {"actor": {"parallel": par, "generation": {"tp": 2}, "training_backend": "megatron"},
+             "critic": {"parallel": par, "training_backend": "megatron"},
+             "ref": {"parallel": par, "training_backend": "megatron"}}
+    metrics = _execute(_plan(tmp_path, 2, roles),
+                       _job(tmp_path, 2, {}, dtype="bf16"), tmp_path / "run", True)
+    assert all(float(m["actor_grad_norm"]) > 0 for m in metrics)
+    with open(tmp_path / "run" / "measurements.csv") as f:
+        rows = list(csv.DictReader(f))
+    spec = MODEL_PRESETS["tiny-2l-hd32"]
+    layout = ParallelConfig(tp=2, dp=1, sharding="none", sequence_parallel=False)
+    for node, role, trainable in (("actor.train", "actor", True),
+                                  ("critic.train", "critic", True),
+                                  ("ref.infer", "ref", False)):
+        predicted = optimizer_memory(spec, layout, value_head=role == "critic",
+                                     trainable=trainable, dtype="bf16")
+        measured = [r for r in rows if r["node"] == node and r["role"] == role][-1]
+        assert float(measured["params_bytes"]) == predicted.params, node
+        assert float(measured["grads_bytes"]) == predicted.grads, node
+        assert float(measured["optimizer_bytes"]) == predicted.optimizer, node
