@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from executor.device import shared_mesh, synchronize
+from executor.device import has_gpu, shared_mesh, synchronize
 from executor.generation import GenerationEngine, tp_shard_dim
 from executor.trainer import Trainer
 from simulator.specs.parallel import GenerationConfig
@@ -69,8 +69,11 @@ def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: 
     if backend == "vllm":
         from executor.backends.vllm import VLLMEngine
 
+        # vLLM allocates its whole budget up front. Without a GPU the plan's budget is a GPU
+        # profile's, and every virtual GPU shares this host's memory: vLLM's CPU sizing
+        # (VLLM_CPU_KVCACHE_SPACE) stays in charge.
         return VLLMEngine(spec, tp_size=generation.tp, seed=seed, dtype=dtype,
-                          kv_cache_budget_bytes=kv_cache_budget_bytes)
+                          kv_cache_budget_bytes=kv_cache_budget_bytes if has_gpu() else None)
     return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank,
                             kv_cache_budget_bytes=kv_cache_budget_bytes)
 

@@ -406,6 +406,10 @@ def test_make_engine_threads_the_budget_to_both_backends(
     default = make_engine(spec, gen, "native", seed=0, tp_group=None, tp_rank=0)
     assert default.kv_cache_budget_bytes is None
     pytest.importorskip("vllm")
+    import executor.hybrid_engine as hybrid_engine
+
+    # On GPUs the plan's budget is vLLM's KV-cache size.
+    monkeypatch.setattr(hybrid_engine, "has_gpu", lambda: True)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     planned = make_engine(spec, gen, "vllm", seed=0, tp_group=None, tp_rank=0,
                           kv_cache_budget_bytes=8 * 2**20)
@@ -413,8 +417,14 @@ def test_make_engine_threads_the_budget_to_both_backends(
     if not torch.cuda.is_available():
         # vLLM's CPU platform would replace the budget by this legacy variable's GiB.
         assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    # Without a GPU the budget is a GPU profile's and all virtual GPUs share this host:
+    # vLLM keeps its CPU sizing.
+    monkeypatch.setattr(hybrid_engine, "has_gpu", lambda: False)
+    on_cpu = make_engine(spec, gen, "vllm", seed=0, tp_group=None, tp_rank=0,
+                         kv_cache_budget_bytes=8 * 2**20)
     unplanned = make_engine(spec, gen, "vllm", seed=0, tp_group=None, tp_rank=0)
     if not torch.cuda.is_available():
+        assert on_cpu.settings["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
         assert unplanned.settings["kv_cache_memory_bytes"] == CPU_KV_CACHE_BYTES
     else:
         assert "kv_cache_memory_bytes" not in unplanned.settings
