@@ -104,3 +104,11 @@ def reset_peak_memory() -> None:
 def peak_memory_bytes() -> int | None:
     """Peak GPU bytes allocated since the last reset (None without a GPU)."""
     return torch.cuda.max_memory_allocated() if has_gpu() else None
+
+
+def empty_cache() -> None:
+    """Hand the allocator's cached blocks back to the device (after generation and updates,
+    so that the next colocated model finds the memory the planner assumes free; no-op on
+    CPU)."""
+    if has_gpu():
+        torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ MEASUREMENT_COLUMNS = [
     "iteration", "node", "role", "operation", "location", "set", "gpus", "parallel",
     "sequences", "tokens", "start_seconds", "end_seconds", "wall_seconds", "compute_seconds",
     "dispatch_seconds", "peak_rss_bytes", "peak_gpu_bytes", "params_bytes", "grads_bytes",
-    "optimizer_bytes",
+    "optimizer_bytes", "offloaded_bytes",
     "bytes_received_per_gpu", "peak_param_bytes_per_gpu", "transition_mode", "backend",
 ]
 
@@ -66,6 +66,8 @@ def measurement_rows(records: list[CallRecord], iteration: int, plan: Plan,
             "params_bytes": max((s.get("params", 0) for s in states), default=0),
             "grads_bytes": max((s.get("grads", 0) for s in states), default=0),
             "optimizer_bytes": max((s.get("optimizer", 0) for s in states), default=0),
+            "offloaded_bytes": max((i.get("offloaded_bytes", 0) for i in record.infos),
+                                   default=0),
             "bytes_received_per_gpu": None, "peak_param_bytes_per_gpu": None,
             "transition_mode": None,
             "backend": "controller" if location == CONTROLLER_LOCATION else

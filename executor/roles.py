@@ -51,6 +51,11 @@ class RoleConfig:
     dtype: str = "fp32"
     """The workload's compute dtype (bf16 or fp32); optimizer states and log-prob math stay
     fp32."""
+    offload_optimizer: bool = False
+    """Move the optimizer's states to host memory while the set generates (the framework
+    profile's ``offload``)."""
+    offload_grads: bool = False
+    """Move resident gradients to host memory while the set generates."""
     kv_cache_budget_bytes: int | None = None
     """Actor only: the KV-cache bytes per GPU the plan leaves generation (the simulator's
     budget); None: the engine's own default."""

@@ -190,6 +190,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
     rl = options.rl.resolved(job.algorithm)
     backends = effective_backends(job, plan)
     kv_budget = planned_kv_cache_budget_bytes(job, plan)
+    offload = job.framework_profile.offload
     configs = {}
     for index, role in enumerate(job.gpu_roles):
         rp = plan.roles[role]
@@ -209,7 +210,9 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
             infer_micro_batch=work.infer_micro_batch_size, transition=options.transition,
             generation_backend=backends[role][1], training_backend=backends[role][0],
             dtype=work.dtype, checkpoint=options.checkpoints.get(role),
-            kv_cache_budget_bytes=kv_budget if rp.generation is not None else None)
+            kv_cache_budget_bytes=kv_budget if rp.generation is not None else None,
+            offload_optimizer=trainable and offload.optimizer,
+            offload_grads=trainable and offload.grads)
     # The reference starts as a copy of the actor: same seed, same model.
     if "ref" in configs and "actor" in configs and \
             job.model("ref") == job.model("actor"):
@@ -299,6 +302,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     groups: list[WorkerGroup] = []
     try:
         say(f"starting {plan.total_gpus} workers in {len(plan.sets)} colocated set(s)")
+        if job.framework_profile.offload.params:
+            say(f"the {job.framework} profile also offloads parameters; the executor keeps "
+                "them on the GPUs (it offloads optimizer states and gradients)")
         node_map = map_plan_nodes(plan, job.cluster.gpus_per_node, gpu_nodes(ray.nodes()),
                                   local=options.address is None)
         if node_map.shared_machine:

@@ -17,6 +17,7 @@ from executor.batch import Batch
 from executor.device import (
     bind_local_gpu,
     clear_meshes,
+    empty_cache,
     has_gpu,
     peak_memory_bytes,
     process_group_backend,
@@ -58,8 +59,6 @@ class SetWorker:
         self.world = world
         self.set_index = set_index
         self.roles: dict[str, Role] = {}
-        self._state_recorded: dict[str, set[str]] = {}
-        self._last_state: dict[str, dict[str, int]] = {}
 
     def location(self) -> tuple[str, str, int]:
         """(Ray node id, node IP, GPU id) of this worker."""
@@ -119,25 +118,30 @@ class SetWorker:
         start = time.perf_counter()
         if isinstance(payload, Batch):
             payload = payload.to(self.device)
-        result = getattr(target, method)(payload)
+        offloaded = self._offload_for_generation() if method == "generate" else 0
+        try:
+            result = getattr(target, method)(payload)
+        finally:
+            if offloaded:
+                for other in self.roles.values():
+                    other.trainer.reload()
         if isinstance(result, Batch):
             result = result.to("cpu")
         synchronize()  # an update returns only metrics: its kernels may still be queued
         seconds = time.perf_counter() - start
+        if method in ("generate", "update"):
+            empty_cache()  # the KV cache and activations go back to the device, not the cache
         info: dict[str, Any] = {
             "rank": self.rank, "start": start_wall, "end": start_wall + seconds,
             "compute_seconds": seconds,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "peak_gpu_bytes": peak_memory_bytes(),
         }
-        if method not in self._state_recorded.get(role, set()):
-            # Model state only changes shape in the first calls (optimizer states appear at
-            # the first step); measure it once per operation.
-            info["state_bytes"] = target.state_bytes()
-            self._state_recorded.setdefault(role, set()).add(method)
-            self._last_state[role] = info["state_bytes"]
-        else:
-            info["state_bytes"] = self._last_state[role]
+        # After every call: optimizer states appear at the first step, and FSDP's gradients
+        # come and go.
+        info["state_bytes"] = target.state_bytes()
+        if offloaded:
+            info["offloaded_bytes"] = offloaded
         transition = getattr(target, "last_transition", None)
         if method == "generate" and transition is not None:
             info["transition"] = {
@@ -149,6 +153,17 @@ class SetWorker:
         if isinstance(result, Batch):
             info["rows"] = len(result)
         return result, info
+
+    def _offload_for_generation(self) -> int:
+        """Move the set's training-only states to host memory while generation runs, as the
+        framework profile says (each role's ``offload_*``); bytes moved."""
+        moved = 0
+        for role in self.roles.values():
+            config = role.config
+            if config.offload_optimizer or config.offload_grads:
+                moved += role.trainer.offload(optimizer=config.offload_optimizer,
+                                              grads=config.offload_grads)
+        return moved
 
     def ping(self) -> int:
         return self.rank

@@ -240,10 +240,30 @@ def test_same_seed_same_results(tmp_path: Path) -> None:
         [[m[k] for k in keys] for m in second.metrics]
 
 
+def test_offloading_training_states_around_generation_changes_no_result(
+        tmp_path: Path) -> None:
+    """NeMo-RL's framework profile moves optimizer states and gradients to host memory while
+    the set generates: the same seed gives the same iterations as without."""
+    from dataclasses import replace
+
+    j = job("grpo", 2)
+    p = plan(j, [(("actor", "ref"), 2)], {"actor": (2, 1, "none"), "ref": (2, 1, "none")})
+    plain = run(j, p, tmp_path / "a", steps=2, seed=7)
+    offloading = replace(j, framework="nemo-rl")
+    assert offloading.framework_profile.offload.optimizer
+    moved = run(offloading, p, tmp_path / "b", steps=2, seed=7)
+    generated = [r for r in moved.rows if r["operation"] == "generate"]
+    assert generated and all(r["offloaded_bytes"] > 0 for r in generated)
+    assert all(not r.get("offloaded_bytes") for r in plain.rows)
+    keys = ("rule_score", "actor_policy_loss", "actor_grad_norm", "response_tokens")
+    assert [[m[k] for k in keys] for m in plain.metrics] == \
+        [[m[k] for k in keys] for m in moved.metrics]
+
+
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
     """60 GRPO iterations of a 2-layer, 64-wide model: the rule reward (fraction of correct
-    positions) averages 0.054 over the first 10 iterations and 0.614 over the last 10 (seed 0,
-    benchmarks/learning.py). The test asks for a gain of at least 0.2."""
+    positions) averages 0.060 over the first 10 iterations and 0.475 over the last 10 (seed 0,
+    bf16, benchmarks/learning.py). The test asks for a gain of at least 0.2."""
     j = job("grpo", 2, prompts_per_iteration=32, samples_per_prompt=8,
             train_micro_batch_size=64, infer_micro_batch_size=64)
     p = plan(j, [(("actor", "ref"), 2)], {"actor": (1, 2, "fsdp"), "ref": (1, 2, "none")})

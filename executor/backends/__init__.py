@@ -29,6 +29,10 @@ class TrainingBackend(Protocol):
 
     def state_bytes(self) -> dict[str, int]: ...
 
+    def offload(self, *, optimizer: bool, grads: bool) -> int: ...
+
+    def reload(self) -> None: ...
+
 
 @runtime_checkable
 class GenerationBackend(Protocol):

@@ -656,6 +656,53 @@ class MegatronTrainer:
         return {name: p.detach() for chunk in self.chunks
                 for name, p in chunk.named_parameters()}
 
+    @torch.no_grad()
+    def offload(self, *, optimizer: bool, grads: bool) -> int:
+        """Move the optimizer's states and fp32 master weights to host memory while
+        generation runs; returns the bytes moved. Gradients stay: Megatron's parameters hold
+        views into its contiguous gradient buffer."""
+        del grads
+        moved = 0
+        if not optimizer or self.optimizer is None:
+            return 0
+        host = torch.device("cpu")
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            torch_optimizer = getattr(inner, "optimizer", None)
+            for state in getattr(torch_optimizer, "state", {}).values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        moved += value.numel() * value.element_size()
+                        state[key] = value.to(host, non_blocking=True)
+            for master in self._masters(inner):
+                moved += master.numel() * master.element_size()
+                master.data = master.data.to(host, non_blocking=True)
+        return moved
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        """Bring back what ``offload`` moved."""
+        from executor.device import worker_device
+
+        if self.optimizer is None:
+            return
+        device = worker_device()
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            torch_optimizer = getattr(inner, "optimizer", None)
+            for state in getattr(torch_optimizer, "state", {}).values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != device:
+                        state[key] = value.to(device, non_blocking=True)
+            for master in self._masters(inner):
+                if master.device != device:
+                    master.data = master.data.to(device, non_blocking=True)
+
+    @staticmethod
+    def _masters(inner: Any) -> list[torch.Tensor]:
+        """The fp32 master copies of a mixed-precision Megatron optimizer."""
+        return [t for attribute in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups")
+                for group in getattr(inner, attribute, None) or [] for t in group
+                if t is not None]
+
     def state_bytes(self) -> dict[str, int]:
         params = sum(p.numel() * p.element_size() for chunk in self.chunks
                      for p in chunk.parameters())
@@ -674,9 +721,5 @@ class MegatronTrainer:
                                      if isinstance(v, torch.Tensor) and v.dim() > 0)
                 # Mixed precision: the fp32 master copies of the 16-bit weights (this rank's
                 # shard of them with the distributed optimizer).
-                for attribute in ("fp32_from_float16_groups",
-                                  "shard_fp32_from_float16_groups"):
-                    for group in getattr(inner, attribute, None) or []:
-                        optimizer += sum(t.numel() * t.element_size() for t in group
-                                         if t is not None)
+                optimizer += sum(t.numel() * t.element_size() for t in self._masters(inner))
         return {"params": params, "grads": grads, "optimizer": optimizer}
