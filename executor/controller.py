@@ -109,7 +109,8 @@ class Pending:
 
     def __init__(self, ray: Any, result_refs: list, info_refs: list, ranks: list[int],
                  merge: Callable[[list[Any]], Any], record: CallRecord,
-                 on_done: Callable[[CallRecord], None], trim: int = 0):
+                 on_done: Callable[[CallRecord], None], trim: int = 0,
+                 clock_offsets: list[float] | None = None):
         self._ray = ray
         self._result_refs = result_refs
         self._info_refs = info_refs
@@ -120,6 +121,7 @@ class Pending:
         self._on_done = on_done
         self._value: Any = None
         self._done = False
+        self._clock_offsets = clock_offsets
 
     def _raise_first_failure(self) -> None:
         """Wait for every rank, raising as soon as one failed (the others may be blocked in a
@@ -164,6 +166,11 @@ class Pending:
             fetched = self._ray.get(wanted + list(self._info_refs))
             parts, self.record.infos = fetched[:len(wanted)], fetched[len(wanted):]
             self.record.collected = time.time()
+            if self._clock_offsets is not None:
+                # Each worker timed itself by its own clock: onto the controller's.
+                for info, offset in zip(self.record.infos, self._clock_offsets, strict=True):
+                    info["start"] -= offset
+                    info["end"] -= offset
             value = self._merge(parts)
             if self._trim and isinstance(value, Batch):
                 value = value.rows(slice(0, len(value) - self._trim))
@@ -204,6 +211,30 @@ def _merge(kind: Protocol) -> Callable[[list[Any]], Any]:
                                for k in keys})
         return parts
     return merge
+
+
+CLOCK_SAMPLES = 5
+"""Round trips per worker when estimating its clock's offset."""
+
+
+def offset_from_samples(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """A worker clock's offset from the controller's, seconds, and its uncertainty: from
+    (controller send, worker time, controller receive) samples, the one with the shortest
+    round trip, assuming the worker read its clock at the trip's midpoint (error at most
+    half the round trip)."""
+    send, worker, receive = min(samples, key=lambda s: s[2] - s[0])
+    return worker - (send + receive) / 2, (receive - send) / 2
+
+
+def clock_offset(read_worker_clock: Callable[[], float],
+                 samples: int = CLOCK_SAMPLES) -> tuple[float, float]:
+    """Measure a worker clock's (offset, uncertainty) in seconds by timed round trips."""
+    readings = []
+    for _ in range(samples):
+        send = time.time()
+        worker = read_worker_clock()
+        readings.append((send, worker, time.time()))
+    return offset_from_samples(readings)
 
 
 class WorkerGroup:
@@ -248,8 +279,11 @@ class WorkerGroup:
         addresses = [locations[i][1] for i in order]
         # One node: the loopback interface (always there); several: rank 0's node address.
         host = "127.0.0.1" if len(set(self.nodes)) == 1 else addresses[0]
-        port = ray.get(self.workers[0].free_port.remote())
+        port = ray.get(self.workers[0].open_rendezvous.remote(host))
         ray.get([w.join.remote(f"{host}:{port}", rank) for rank, w in enumerate(self.workers)])
+        self.clock_offsets = [clock_offset(lambda w=w: ray.get(w.clock.remote()))
+                              for w in self.workers]
+        """Per rank: (worker clock - controller clock, uncertainty), seconds."""
 
     def check_groups_share_nodes(self, size: int, what: str) -> None:
         """Raise if any group of ``size`` consecutive ranks spans two nodes (tensor-parallel
@@ -312,6 +346,7 @@ class RoleHandle:
             result_refs = [c[0] for c in calls]
             info_refs = [c[1] for c in calls]
             return Pending(ray, result_refs, info_refs, collect_ranks(kind, self.layout),
-                           _merge(kind), record, self._on_done, trim)
+                           _merge(kind), record, self._on_done, trim,
+                           [offset for offset, _ in self.group.clock_offsets])
 
         return call

@@ -373,6 +373,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "worker_code": worker_code,
                     "node_map": {str(k): n.node_id for k, n in node_map.nodes.items()},
                     "worker_nodes": [group.nodes for group in groups],
+                    "clock_offsets_seconds": [
+                        [{"offset": o, "uncertainty": u} for o, u in group.clock_offsets]
+                        for group in groups],
                     "ray_address": options.address or (
                         "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
 

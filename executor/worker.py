@@ -56,6 +56,7 @@ class SetWorker:
         bind_local_gpu()
         self.device = worker_device()
         self.rank = -1
+        self._store: dist.TCPStore | None = None
         self.world = world
         self.set_index = set_index
         self.roles: dict[str, Role] = {}
@@ -68,22 +69,27 @@ class SetWorker:
         return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
                 int(gpu_ids[0]) if gpu_ids else -1)
 
-    def free_port(self) -> int:
-        """A free TCP port on this worker's node, for the group's rendezvous (rank 0)."""
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+    def open_rendezvous(self, host: str) -> int:
+        """Rank 0: start the group's rendezvous store on a port the system picks and keep it
+        bound (no window in which another process could take the port); returns the port."""
+        self._store = dist.TCPStore(host, 0, self.world, is_master=True,
+                                    timeout=timedelta(minutes=10), wait_for_workers=False)
+        return self._store.port
 
     def join(self, master: str, rank: int) -> int:
-        """Take ``rank`` and form the set's torch.distributed group."""
+        """Take ``rank`` and form the set's torch.distributed group through rank 0's store."""
         self.rank = rank
-        dist.init_process_group(process_group_backend(), init_method=f"tcp://{master}",
-                                rank=rank, world_size=self.world,
-                                timeout=timedelta(minutes=10),
+        host, port = master.rsplit(":", 1)
+        store = self._store if rank == 0 else dist.TCPStore(
+            host, int(port), self.world, is_master=False, timeout=timedelta(minutes=10))
+        dist.init_process_group(process_group_backend(), store=store, rank=rank,
+                                world_size=self.world, timeout=timedelta(minutes=10),
                                 device_id=process_group_device())
         return rank
+
+    def clock(self) -> float:
+        """This worker's wall clock, seconds (for the controller's offset estimate)."""
+        return time.time()
 
     def has_gpu(self) -> bool:
         return has_gpu()
