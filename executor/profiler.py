@@ -176,14 +176,19 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = collective_device(backend, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the group forms: NCCL binds to it
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world,
+                            device_id=device if device.type == "cuda" else None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     results = []
     for size in sizes:
         count = max(world, size // 4 // world * world)
-        tensor = torch.ones(count)
-        parts = [torch.empty(count // world) for _ in range(world)]
-        chunk = torch.ones(count // world)
+        tensor = torch.ones(count, device=device)
+        parts = [torch.empty(count // world, device=device) for _ in range(world)]
+        chunk = torch.ones(count // world, device=device)
         ops = {
             "all_reduce": lambda tensor=tensor: dist.all_reduce(tensor),
             "all_gather": lambda chunk=chunk, parts=parts: dist.all_gather(parts, chunk),
@@ -193,20 +198,60 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
             "broadcast": lambda tensor=tensor: dist.broadcast(tensor, 0),
         }
         for name, op in ops.items():
-            dist.barrier()
-            best = math.inf
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                op()
-                best = min(best, time.perf_counter() - start)
-            best_tensor = torch.tensor([best])
+            best = time_collective(op, sync, dist.barrier, repeats)
+            best_tensor = torch.tensor([best], device=device)
             dist.all_reduce(best_tensor, op=dist.ReduceOp.MAX)
             results.append({"benchmark": name, "size": count * 4,
                             "seconds": float(best_tensor)})
     if rank == 0:
         pd.DataFrame(results).to_csv(out, index=False)
     dist.destroy_process_group()
+
+
+def time_collective(op: Callable[[], Any], sync: Callable[[], None],
+                    barrier: Callable[[], Any], repeats: int) -> float:
+    """Best seconds of ``op`` over ``repeats``: a warm-up first (NCCL sets up its
+    communicator on the first call), every rank starting together, and the device
+    synchronised before the clock starts and before it stops (NCCL collectives return
+    before they finish)."""
+    op()
+    sync()
+    barrier()
+    best = math.inf
+    for _ in range(repeats):
+        barrier()
+        sync()
+        start = time.perf_counter()
+        op()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def collective_device(backend: str, rank: int) -> Any:
+    """Where a collective benchmark process keeps its tensors: GPU ``rank`` under NCCL (one
+    process per GPU of this node), else the CPU."""
+    import torch
+
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def device_memory_bytes(device: str, world_size: int) -> float:
+    """Memory of one device: a GPU's own (its properties), or this host's RAM shared by the
+    ``world_size`` worker processes of a CPU profile."""
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") \
+        if hasattr(os, "sysconf") else 16 * 2**30
+    return memory / max(world_size, 1)
+
+
+INTER_NODE_NOT_MEASURED = (
+    "inter_node and efficiency.inter_node_collective are NOT measured: the profiler runs on "
+    "one node, so they repeat the intra-node figures; replace them with the cluster's "
+    "network (NIC bandwidth and latency, nics_per_node) before planning across nodes")
 
 
 def measure_collectives(settings: ProfileSettings, data: Measurements,
@@ -254,8 +299,10 @@ def _decode_overhead(settings: ProfileSettings, data: Measurements, launch: floa
     from simulator.specs.presets import MODEL_PRESETS
 
     spec = MODEL_PRESETS["tiny-4l"]
+    device = torch.device(settings.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     engine = GenerationEngine(spec)
-    engine.load({n: p.detach() for n, p in build_model(spec).named_parameters()})
+    engine.load({n: p.detach().to(device) for n, p in build_model(spec).named_parameters()})
     profile = from_mapping(DeviceProfile, {**draft, "overheads": {
         "kernel_launch_seconds": launch, "decode_step_seconds": 0.0}})
     step_model = decode_step_model(spec, GenerationConfig(), "fp32", 1)
@@ -264,15 +311,17 @@ def _decode_overhead(settings: ProfileSettings, data: Measurements, launch: floa
     lengths = [16, 64] if settings.quick else [16, 64, 256]
     for batch in batches:
         for kv in lengths:
-            prompts = torch.randint(4, 14, (batch, kv))
-            cache = [[torch.zeros(batch, spec.kv_heads, kv + 1, spec.head_dim_value)
+            prompts = torch.randint(4, 14, (batch, kv), device=device)
+            cache = [[torch.zeros(batch, spec.kv_heads, kv + 1, spec.head_dim_value,
+                                  device=device)
                       for _ in range(2)] for _ in range(spec.layers)]
-            positions = torch.full((batch, 1), kv)
-            engine._forward(prompts, torch.arange(kv).expand(batch, kv), cache, 0)
-            token = torch.ones(batch, 1, dtype=torch.long)
+            positions = torch.full((batch, 1), kv, device=device)
+            engine._forward(prompts, torch.arange(kv, device=device).expand(batch, kv), cache,
+                            0)
+            token = torch.ones(batch, 1, dtype=torch.long, device=device)
             seconds = _timer(lambda token=token, positions=positions, cache=cache, kv=kv:
                              engine._forward(token, positions, cache, kv),
-                             settings.repeats, lambda: None)
+                             settings.repeats, sync)
             predicted = step_model.step_seconds(profile, "fp32", batch, batch * (kv + 1))
             data.add("decode_step", batch * (kv + 1), seconds, batch=batch, kv_tokens=kv,
                      predicted_without_overhead=predicted)
@@ -296,9 +345,7 @@ def measure_profile(settings: ProfileSettings,
     link = max(b for _, b in bus)
     latency = min(s for _, s in collectives)
     collective_curve = _curve(collectives, link, lambda size: 2 * (world - 1) / world * size)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") \
-        if hasattr(os, "sysconf") else 16 * 2**30
-    per_worker = memory / max(world, 1)
+    per_worker = device_memory_bytes(settings.device, world)
     draft = {
         "name": settings.name,
         "description": f"measured by hybridflow profile on {socket.gethostname()} "
@@ -342,7 +389,8 @@ def _provenance_notes(settings: ProfileSettings) -> str:
     return (f"machine {socket.gethostname()}, {platform.platform()}, {os.cpu_count()} CPUs, "
             f"python {platform.python_version()}, torch {torch.__version__}, device "
             f"{settings.device}, {settings.world_size} processes for collectives, one thread "
-            f"per process, quick={settings.quick}, best of {settings.repeats} repeats")
+            f"per process, quick={settings.quick}, best of {settings.repeats} repeats. "
+            f"{INTER_NODE_NOT_MEASURED}")
 
 
 def write_profile(profile: dict[str, Any], measurements: pd.DataFrame, path: Path) -> Path:
@@ -357,7 +405,8 @@ def write_profile(profile: dict[str, Any], measurements: pd.DataFrame, path: Pat
                         source=str(path)) from None
     header = (f"# Device profile measured by `hybridflow profile` on "
               f"{_dt.date.today().isoformat()}.\n# Raw measurements: "
-              f"{path.with_suffix('.measurements.csv').name}; provenance below.\n")
+              f"{path.with_suffix('.measurements.csv').name}; provenance below.\n"
+              f"# {INTER_NODE_NOT_MEASURED}.\n")
     write_text_atomic(path, header + yaml.safe_dump(profile, sort_keys=False))
     write_text_atomic(path.with_suffix(".measurements.csv"), measurements.to_csv(index=False))
     return path
