@@ -129,7 +129,7 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     budget = planned_kv_cache_budget_bytes(job, plan)
     if budget is not None and budget <= 0:
         raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
-                        f"({budget / 2**30:.1f} GiB per GPU on {job.cluster.device}); plan "
+                        f"({budget / 2**30:.1f} GiB per GPU on {job.cluster.profile().name}); plan "
                         "again or give the set more GPUs", key="roles.actor.generation")
     # Megatron roles of one set share Megatron's (per-process) parallel state.
     from dataclasses import replace

@@ -152,8 +152,7 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
     greedy = run.greedy_counts.get(iteration)
     workload = replace(run.job.workload, prompt_length=run.prompt_length,
                        response_length=_empirical(counts),
-                       greedy_response_length=_empirical(greedy) if greedy else None,
-                       dtype="fp32")
+                       greedy_response_length=_empirical(greedy) if greedy else None)
     rule_cost = _rule_seconds_per_sample(run, iteration)
     if rule_cost is not None:
         # A rule's time is the user's function's, an input like the response lengths.
@@ -231,6 +230,27 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str
                          "error_pct": 100.0 * (predicted[node] - measured) / measured,
                          "backend": backends.get(node, "")})
     return rows
+
+
+def run_summary(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str, Any]]:
+    """Per stage and for the whole iteration: the median measured and predicted seconds over
+    the run's iterations (from ``skip`` on, or all when the run is shorter), and the error.
+    Predictions are for the lengths the run produced, so both describe the same work."""
+    iterations = sorted(run.length_counts)
+    rows = predict(run, profile, skip=skip if len(iterations) > skip else 0)
+    if not rows:
+        return []
+    frame = pd.DataFrame(rows)
+    out = []
+    for node, group in frame.groupby("node", sort=False):
+        measured = float(group["measured_seconds"].median())
+        predicted = float(group["predicted_seconds"].median())
+        out.append({"node": str(node), "measured_seconds": measured,
+                    "predicted_seconds": predicted,
+                    "error_pct": 100.0 * (predicted - measured) / measured,
+                    "iterations": int(group["iteration"].nunique())})
+    # The whole iteration last, the stages in the order they ran.
+    return sorted(out, key=lambda r: r["node"] == "iteration")
 
 
 def _backends(run: Run) -> dict[str, str]:

@@ -7,6 +7,7 @@ job or plan that does not fit ends with the numbers that show why and exit statu
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -741,10 +742,12 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
     except RunFailedError as exc:
         click.echo(f"hybridflow: run failed: {exc}", err=True)
         sys.exit(1)
+    comparison = _predicted_vs_measured(run_dir, job)
     summary = {"out": str(run_dir), "steps": steps, "seconds": result.seconds,
                "iteration_seconds": [m["seconds"] for m in result.metrics],
                "rule_score": [m["rule_score"] for m in result.metrics],
-               "solved": [m["solved"] for m in result.metrics]}
+               "solved": [m["solved"] for m in result.metrics],
+               "predicted_vs_measured": comparison}
     if as_json:
         _emit_json(summary)
     else:
@@ -754,6 +757,37 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                    f"iteration; score {summary['rule_score'][0]:.3f} -> "
                    f"{summary['rule_score'][-1]:.3f}")
         click.echo(f"records: {run_dir}/measurements.csv, metrics.csv, meta.json, trace.json")
+        if comparison:
+            click.echo(_comparison_table(comparison, job))
+
+
+def _predicted_vs_measured(run_dir: Path, job: Any) -> list[dict[str, Any]]:
+    """The plan's predicted seconds (on the job's device profile, for the lengths the run
+    produced) next to the measured medians, per stage and whole; stored in meta.json."""
+    from planner.calibration import load_run, run_summary
+    from profiles.datafile import json_text, write_text_atomic
+
+    try:
+        comparison = run_summary(load_run(run_dir), job.cluster.profile())
+    except SpecError as exc:  # the run itself succeeded: say why there is no comparison
+        click.echo(f"predicted vs measured: not available ({exc})", err=True)
+        return []
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta["predicted_vs_measured"] = {"device": job.cluster.profile().name, "stages": comparison}
+    write_text_atomic(meta_path, json_text(meta, default=str))
+    return comparison
+
+
+def _comparison_table(comparison: list[dict[str, Any]], job: Any) -> str:
+    """Predicted vs measured seconds as a text table, the whole iteration last."""
+    lines = [f"predicted ({job.cluster.profile().name} profile, the run's lengths) vs measured, "
+             "median seconds:",
+             f"  {'stage':<22}{'measured':>10}{'predicted':>11}{'error':>9}"]
+    for row in comparison:
+        lines.append(f"  {row['node']:<22}{row['measured_seconds']:>10.4f}"
+                     f"{row['predicted_seconds']:>11.4f}{row['error_pct']:>+8.1f}%")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

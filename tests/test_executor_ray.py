@@ -346,6 +346,21 @@ def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
     summary = json.loads(ran.stdout)
     assert summary["steps"] == 2 and len(summary["rule_score"]) == 2
     assert (tmp_path / "run" / "measurements.csv").exists()
+    # Every run ends with the plan's prediction (for the lengths it produced) beside the
+    # measured medians, per stage and whole; meta.json keeps both.
+    stages = {row["node"]: row for row in summary["predicted_vs_measured"]}
+    assert {"actor.generate", "actor.train", "ref.infer", "iteration"} <= set(stages)
+    whole = stages["iteration"]
+    assert whole["error_pct"] == pytest.approx(
+        100 * (whole["predicted_seconds"] - whole["measured_seconds"])
+        / whole["measured_seconds"])
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["predicted_vs_measured"]["stages"] == summary["predicted_vs_measured"]
+    shown = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "1", "--out",
+                str(tmp_path / "run-1"))
+    assert shown.returncode == 0, shown.stderr
+    assert "predicted (a100-80gb profile, the run's lengths) vs measured" in shown.stdout
+    assert shown.stdout.strip().splitlines()[-1].lstrip().startswith("iteration")
     bad = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "0")
     assert bad.returncode == 2 and "Started a local Ray" not in bad.stderr
 
