@@ -198,7 +198,9 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
         lr = options.actor_lr if role == "actor" else options.critic_lr
         sampling = None
         if rp.generation is not None:
-            sampling = SamplingParams(max_new_tokens=options.task.response_length + 1,
+            # The task's answer plus EOS, capped by the workload's longest response.
+            sampling = SamplingParams(max_new_tokens=min(options.task.response_length + 1,
+                                                         work.response_length.max_tokens),
                                       eos_token_id=EOS, pad_token_id=PAD,
                                       temperature=options.temperature, top_p=options.top_p)
         configs[role] = RoleConfig(

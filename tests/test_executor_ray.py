@@ -260,6 +260,15 @@ def test_offloading_training_states_around_generation_changes_no_result(
         [[m[k] for k in keys] for m in moved.metrics]
 
 
+def test_the_workloads_response_length_caps_generation(tmp_path: Path) -> None:
+    # The task's answer needs 4 tokens (3 digits and EOS); the workload allows 2.
+    j = job("grpo", 1, response_length=2)
+    p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
+    result = run(j, p, tmp_path, steps=1, seed=0)
+    counts = json.loads(result.metrics[0]["response_length_counts"])
+    assert max(int(length) for length in counts) == 2
+
+
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
     """60 GRPO iterations of a 2-layer, 64-wide model: the rule reward (fraction of correct
     positions) averages 0.060 over the first 10 iterations and 0.475 over the last 10 (seed 0,
