@@ -19,7 +19,7 @@ import torch
 from executor import algorithms as rl
 from executor.batch import Batch
 from executor.controller import CallRecord, Pending, RoleHandle
-from executor.task import SortDigits
+from executor.task import EOS, SortDigits
 from simulator.predict import CONTROLLER_LOCATION
 
 
@@ -108,14 +108,33 @@ def _prompts(ctx: Context, iteration: int, repeat: int = 1) -> Batch:
 
 
 def _summary(batch: Batch, extra: dict[str, Any]) -> dict[str, Any]:
+    """The iteration's metrics: scores and their spread, response lengths (mean, max, the
+    share cut off at the length cap), the sampled tokens' entropy estimate and the KL to the
+    reference, and what the updates reported (``extra``)."""
     mask = batch["response_mask"]
     lengths = mask.sum(-1).long().tolist()
     counts = {str(n): lengths.count(n) for n in sorted(set(lengths))}
-    return {"score": float(batch["scores"].mean()),
-            "rule_score": float(batch["rule_scores"].mean()),
-            "solved": float((batch["rule_scores"] == 1.0).float().mean()),
-            "response_tokens": float(mask.sum(-1).mean()),
-            "response_length_counts": json.dumps(counts), **extra}
+    scores = batch["scores"].float()
+    cap = batch["responses"].shape[1]
+    # Cut off: it used every allowed token and did not end with EOS.
+    ended = batch["responses"].gather(1, (mask.sum(-1).long() - 1).clamp(min=0)[:, None])
+    clipped = (mask.sum(-1) == cap) & (ended.squeeze(1) != EOS)
+    tokens = mask.sum().clamp(min=1)
+    metrics = {"score": float(scores.mean()), "score_std": float(scores.std(unbiased=False)),
+               "score_min": float(scores.min()), "score_max": float(scores.max()),
+               "rule_score": float(batch["rule_scores"].mean()),
+               "solved": float((batch["rule_scores"] == 1.0).float().mean()),
+               "response_tokens": float(mask.sum(-1).mean()),
+               "response_tokens_max": float(mask.sum(-1).max()),
+               "response_clip_ratio": float(clipped.float().mean()),
+               # E[-log p(sampled token)] estimates the policy's per-token entropy.
+               "entropy_estimate": float(-(batch["old_log_probs"] * mask).sum() / tokens),
+               "response_length_counts": json.dumps(counts)}
+    if "ref_log_probs" in batch:
+        # k1 estimate of KL(actor || reference) per token, on the sampled tokens.
+        kl = (batch["old_log_probs"] - batch["ref_log_probs"]) * mask
+        metrics["kl_to_reference"] = float(kl.sum() / tokens)
+    return {**metrics, **extra}
 
 
 def ppo_iteration(ctx: Context, iteration: int) -> dict[str, float]:

@@ -408,11 +408,16 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                          "start_seconds": start - origin, "end_seconds": end - origin,
                          "wall_seconds": end - start, "compute_seconds": None,
                          "dispatch_seconds": None})
-            metrics.append({"iteration": iteration, "seconds": end - start, **summary})
+            tokens = sum(r.tokens for r in records if r.operation == "generate")
+            metrics.append({"iteration": iteration, "seconds": end - start, **summary,
+                            "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
+                            "tokens_per_s": tokens / (end - start)})
             constraint = (f", cost {summary['rule_cost']:.2f}, lambda {summary['lambda']:.3f}"
                           if "lambda" in summary else "")
-            say(f"iteration {iteration}: {end - start:.2f} s, score {summary['rule_score']:.3f}"
-                f", solved {summary['solved']:.2f}{constraint}")
+            remaining = (time.time() - origin) / (iteration + 1) * (options.steps - iteration - 1)
+            say(f"iteration {iteration + 1}/{options.steps}: {end - start:.2f} s, score "
+                f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
+                f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
         seconds = time.time() - started_at
         if options.out is not None:
             write_run(options.out, rows, metrics, run_meta(seconds), plan)

@@ -265,8 +265,16 @@ def test_the_workloads_response_length_caps_generation(tmp_path: Path) -> None:
     j = job("grpo", 1, response_length=2)
     p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
     result = run(j, p, tmp_path, steps=1, seed=0)
-    counts = json.loads(result.metrics[0]["response_length_counts"])
+    metrics = result.metrics[0]
+    counts = json.loads(metrics["response_length_counts"])
     assert max(int(length) for length in counts) == 2
+    # Responses that used both tokens without an EOS were cut off by the cap.
+    cut = sum(n for length, n in counts.items() if int(length) == 2)
+    assert 0 < metrics["response_clip_ratio"] <= cut / sum(counts.values())
+    assert metrics["response_tokens_max"] == 2
+    assert metrics["entropy_estimate"] > 0 and metrics["tokens_per_s"] > 0
+    assert metrics["score_min"] <= metrics["score"] <= metrics["score_max"]
+    assert metrics["kl_to_reference"] == pytest.approx(0.0, abs=1e-2)  # no update yet
 
 
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
