@@ -6,7 +6,6 @@ worker starts."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,11 +21,6 @@ from tests import trainer_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_checkpoint(directory: Path, preset: str, seed: int) -> Path:
@@ -56,8 +50,9 @@ def test_ranks_build_on_meta_and_load_only_their_shards(preset: str, tp: int, dp
               "checkpoint": str(checkpoint)}
     out = tmp_path / "result.json"
     mp.start_processes(trainer_workers.build_and_report,
-                       args=(tp * dp, free_port(), layout, str(out)), nprocs=tp * dp,
-                       start_method="spawn")
+                       args=(tp * dp, trainer_workers.fresh_rendezvous(tmp_path), layout,
+                             str(out)),
+                       nprocs=tp * dp, start_method="spawn")
     ranks = json.loads(out.read_text())
     spec = MODEL_PRESETS[preset]
     predicted = optimizer_memory(spec, ParallelConfig(tp=tp, dp=dp, sharding=sharding,
@@ -75,7 +70,8 @@ def test_ranks_build_on_meta_and_load_only_their_shards(preset: str, tp: int, dp
 def test_seeded_initial_weights_do_not_depend_on_the_layout(tmp_path: Path) -> None:
     layout = {"preset": "tiny-2l", "tp": 2, "dp": 1, "sharding": "none"}
     out = tmp_path / "result.json"
-    mp.start_processes(trainer_workers.build_and_report, args=(2, free_port(), layout, str(out)),
+    mp.start_processes(trainer_workers.build_and_report,
+                       args=(2, trainer_workers.fresh_rendezvous(tmp_path), layout, str(out)),
                        nprocs=2, start_method="spawn")
     assert all(max(r["errors"].values()) == 0.0 for r in json.loads(out.read_text()))
 

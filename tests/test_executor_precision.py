@@ -6,7 +6,6 @@ log-probabilities and values in fp32."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,18 +17,13 @@ from simulator.specs.presets import MODEL_PRESETS
 from tests import trainer_workers
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(layout: dict, tmp_path: Path) -> list[dict]:
     world = layout["tp"] * layout["dp"]
     out = tmp_path / "result.json"
     mp.start_processes(trainer_workers.train_and_measure,
-                       args=(world, free_port(), layout, str(out)), nprocs=world,
-                       start_method="spawn")
+                       args=(world, trainer_workers.fresh_rendezvous(tmp_path), layout,
+                             str(out)),
+                       nprocs=world, start_method="spawn")
     return json.loads(out.read_text())
 
 

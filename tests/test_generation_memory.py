@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import weakref
 from pathlib import Path
 
@@ -51,11 +50,6 @@ BUCKETS = {"default": None, "one-byte": 1, "64KiB": 64 * 2**10}
 """Transition bucket sizes: the default (the tiny models fit one bucket), smaller than any
 parameter (each parameter alone), and one that groups a few parameters."""
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _per_parameter_transition(hybrid) -> tuple[dict[str, torch.Tensor], int]:
@@ -190,13 +184,12 @@ def _check_config(name: str, preset: str, tp: int, gen_tp: int, dp: int,
     return result
 
 
-def transition_worker(rank: int, world: int, port: int, out: str) -> None:
+def transition_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     """Every layout of ``CONFIGS[world]`` on this rank; rank 0 writes all ranks' results."""
     from executor.device import clear_meshes
+    from tests.trainer_workers import join
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, rendezvous)
     results = [_check_config(*config) for config in CONFIGS[world]]
     rows: list = [None] * world
     dist.all_gather_object(rows, results)
@@ -217,8 +210,10 @@ def test_bucketed_transition_gives_the_per_parameter_shards_and_bytes(
     from simulator.costs.transition import transition_volume_bytes
 
     out = tmp_path / "result.json"
-    mp.start_processes(transition_worker, args=(world, _free_port(), str(out)), nprocs=world,
-                       start_method="spawn")
+    from tests.trainer_workers import fresh_rendezvous
+
+    mp.start_processes(transition_worker, args=(world, fresh_rendezvous(tmp_path), str(out)),
+                       nprocs=world, start_method="spawn")
     rows = json.loads(out.read_text())
     for rank_results in rows:
         for config, result in zip(CONFIGS[world], rank_results, strict=True):

@@ -5,16 +5,23 @@ writes what it holds or computed to a JSON file."""
 from __future__ import annotations
 
 import json
-import os
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
-def join(rank: int, world: int, port: int) -> None:
+def fresh_rendezvous(directory: Path) -> str:
+    """A new file for one process group's rendezvous (a file store: no port to race for)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return str(Path(tempfile.mkdtemp(dir=directory)) / "rendezvous")
+
+
+def join(rank: int, world: int, rendezvous: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world)
 
 
 def finish(rank: int, world: int, result: dict, out: str) -> None:
@@ -28,14 +35,15 @@ def finish(rank: int, world: int, result: dict, out: str) -> None:
     dist.destroy_process_group()
 
 
-def train_and_measure(rank: int, world: int, port: int, layout: dict, out: str) -> None:
+def train_and_measure(rank: int, world: int, rendezvous: str, layout: dict,
+                      out: str) -> None:
     """One role on ``world`` ranks: its state bytes after building and after two steps, the
     dtypes its weights and outputs have, and the losses and log-probs it computed."""
     from executor.trainer import OptimConfig, Trainer
     from simulator.specs.parallel import ParallelConfig
     from simulator.specs.presets import MODEL_PRESETS
 
-    join(rank, world, port)
+    join(rank, world, rendezvous)
     spec = MODEL_PRESETS[layout["preset"]]
     par = ParallelConfig(tp=layout["tp"], dp=layout["dp"], sharding=layout["sharding"],
                          sequence_parallel=False, micro_batch_size=2)
@@ -74,7 +82,8 @@ def train_and_measure(rank: int, world: int, port: int, layout: dict, out: str) 
     finish(rank, world, result, out)
 
 
-def build_and_report(rank: int, world: int, port: int, layout: dict, out: str) -> None:
+def build_and_report(rank: int, world: int, rendezvous: str, layout: dict,
+                     out: str) -> None:
     """Build one role (optionally from a checkpoint) and report how: the device its modules
     were created on, how many whole tensors were alive at once on the host, the rank's
     shard of every parameter, and its state bytes."""
@@ -87,7 +96,7 @@ def build_and_report(rank: int, world: int, port: int, layout: dict, out: str) -
     from simulator.specs.parallel import ParallelConfig
     from simulator.specs.presets import MODEL_PRESETS
 
-    join(rank, world, port)
+    join(rank, world, rendezvous)
     created_on: list[str] = []
     alive: list[weakref.ref] = []
     most_alive = [0]
