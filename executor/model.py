@@ -11,6 +11,7 @@ Critic, reward and cost models replace the language-model head with a scalar ``v
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Iterator, Mapping
@@ -284,3 +285,57 @@ def build_model(spec: ModelSpec, *, value_head: bool = False, seed: int = 0,
         model.lm_head.weight = model.model.embed_tokens.weight
     materialise(model, weights)
     return model
+
+
+def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict:
+    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden,
+        "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim_value, "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta, "max_position_embeddings": spec.max_seq_len,
+        "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
+        "attention_bias": spec.qkv_bias,
+        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                        torch.float16: "float16"}[dtype],
+    }
+
+
+def llama_exportable(spec: ModelSpec) -> str | None:
+    """Why ``spec`` cannot be written as a Hugging Face Llama checkpoint (None: it can)."""
+    if spec.norm != "rmsnorm" or spec.mlp != "swiglu" or spec.learned_positions or \
+            spec.linear_bias:
+        return (f"{spec.name} is GPT-style (LayerNorm, GELU, biases or learned positions); "
+                "only Llama-style models are written as Hugging Face checkpoints")
+    return None
+
+
+def write_hf_checkpoint(directory: str | Path, spec: ModelSpec,
+                        state: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
+    """A Hugging Face Llama checkpoint directory (``config.json`` + ``model.safetensors``)
+    from whole tensors: written beside the target and renamed into place, so an earlier
+    checkpoint there is replaced whole or not at all."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()
+               if not (name == "lm_head.weight" and spec.tied_embeddings)}
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    (partial / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+        partial.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        partial.rename(target)
+    return target

@@ -111,6 +111,21 @@ class Role:
     def state_bytes(self) -> dict[str, int]:
         return self.trainer.state_bytes()
 
+    @protocol(Protocol.ONE_TO_ALL)
+    def save_hf(self, batch: Batch) -> Batch:
+        """Write the model as a Hugging Face checkpoint to ``batch.meta["directory"]``: every
+        rank takes part in gathering the whole tensors, the group's first rank writes."""
+        import torch.distributed as dist
+
+        from executor.model import write_hf_checkpoint
+        from executor.trainer import compute_dtype
+
+        state = self.trainer.hf_state()
+        if dist.get_rank() == 0:
+            write_hf_checkpoint(batch.meta["directory"], self.config.spec, state,
+                                compute_dtype(self.config.dtype))
+        return Batch(meta={"written": float(dist.get_rank() == 0)})
+
     @protocol(Protocol.DP)
     def echo(self, batch: Batch) -> Batch:
         """Return the input: measures what a call costs besides compute."""

@@ -47,6 +47,9 @@ class ExecutionOptions:
     worker_setup: str | None = None
     """``module:function`` every worker imports and calls before building models
     (site-specific preparation)."""
+    save_hf: Path | None = None
+    """Where to write the trained actor as a Hugging Face checkpoint at the end (config.json
+    + model.safetensors); None: nothing is written."""
     checkpoints: dict[str, str] = field(default_factory=dict)
     """role -> local Hugging Face checkpoint directory its model starts from (the reference
     takes the actor's when it has none of its own and the same model)."""
@@ -126,6 +129,12 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
     check_checkpoints(job, options.checkpoints)
+    if options.save_hf is not None:
+        from executor.model import llama_exportable
+
+        problem = llama_exportable(job.model("actor"))
+        if problem:
+            raise SpecError(problem, key="--save-hf")
     budget = planned_kv_cache_budget_bytes(job, plan)
     if budget is not None and budget <= 0:
         raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
@@ -290,6 +299,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm."""
     import torch
 
+    from executor.batch import Batch
     from executor.controller import RoleHandle, WorkerFailedError, WorkerGroup
     from executor.drivers import DRIVERS, Context, fit_reward_model
     from executor.placement import gpu_nodes, map_plan_nodes
@@ -368,7 +378,8 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                                 "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
                                 "rl": to_mapping(options.rl), "task": to_mapping(options.task),
                                 "reward_warmup_steps": options.reward_warmup_steps,
-                                "checkpoints": dict(options.checkpoints)},
+                                "checkpoints": dict(options.checkpoints),
+                                "save_hf": str(options.save_hf) if options.save_hf else None},
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
@@ -418,6 +429,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             say(f"iteration {iteration + 1}/{options.steps}: {end - start:.2f} s, score "
                 f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
                 f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
+        if options.save_hf is not None:
+            handles["actor"].save_hf(Batch(meta={"directory": str(options.save_hf)})).result()
+            say(f"actor written as a Hugging Face checkpoint to {options.save_hf}")
         seconds = time.time() - started_at
         if options.out is not None:
             write_run(options.out, rows, metrics, run_meta(seconds), plan)

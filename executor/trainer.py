@@ -329,6 +329,12 @@ class Trainer:
                 p.grad.zero_()
         return metrics
 
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Whole tensors under Hugging Face names, on every rank (gathered from the shards;
+        in the compute dtype)."""
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+                .to(self.dtype) for name, p in self.model.named_parameters()}
+
     # ----- offload -----
 
     @torch.no_grad()

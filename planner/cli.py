@@ -705,11 +705,14 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
               help="Start a role from a local Hugging Face checkpoint directory (safetensors "
                    "with Hugging Face Llama parameter names; repeatable). The reference "
                    "takes the actor's unless given its own.")
+@click.option("--save-hf", type=click.Path(file_okay=False), default=None,
+              help="Write the trained actor to this directory at the end, as a Hugging Face "
+                   "checkpoint (config.json + model.safetensors; Llama-style models).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
-            checkpoints: tuple[str, ...], as_json: bool) -> None:
+            checkpoints: tuple[str, ...], save_hf: str | None, as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -730,6 +733,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                rl=_rl_config(rl_settings), worker_setup=worker_setup,
                                worker_logs=worker_logs,
                                checkpoints=_role_paths(checkpoints, "--checkpoint"),
+                               save_hf=Path(save_hf) if save_hf else None,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)

@@ -277,6 +277,29 @@ def test_the_workloads_response_length_caps_generation(tmp_path: Path) -> None:
     assert metrics["kl_to_reference"] == pytest.approx(0.0, abs=1e-2)  # no update yet
 
 
+@pytest.mark.parametrize("layout", [(2, 1, "none"), (1, 2, "fsdp")])
+def test_the_trained_actor_is_saved_as_a_hugging_face_checkpoint(
+        layout: tuple[int, int, str], tmp_path: Path) -> None:
+    """--save-hf: the actor's shards gathered into one Llama checkpoint that transformers
+    loads and generates with, computing what the executor's model computes."""
+    transformers = pytest.importorskip("transformers")
+    j = job("grpo", 2)
+    p = plan(j, [(("actor", "ref"), 2)], {"actor": layout, "ref": layout})
+    saved = tmp_path / "actor-hf"
+    run(j, p, tmp_path, steps=1, save_hf=saved)
+    model = transformers.LlamaForCausalLM.from_pretrained(saved, torch_dtype=torch.float32)
+    ids = torch.tensor([[1, 4, 6, 5, 3]])
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 8)
+    ours = build_model(MODEL_PRESETS["tiny-2l"], checkpoint=saved).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ours(ids), atol=1e-5)
+    # The trained weights, not the initial ones.
+    initial = build_model(MODEL_PRESETS["tiny-2l"], seed=0).state_dict()
+    assert not torch.equal(ours.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           initial["model.layers.0.mlp.up_proj.weight"].bfloat16().float())
+
+
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
     """60 GRPO iterations of a 2-layer, 64-wide model: the rule reward (fraction of correct
     positions) averages 0.060 over the first 10 iterations and 0.475 over the last 10 (seed 0,

@@ -30,28 +30,13 @@ from pathlib import Path
 import torch
 
 from executor.generation import GenerationOutput, SamplingParams
+from executor.model import hf_config
 from simulator.specs.model import ModelSpec
 
 CPU_KV_CACHE_BYTES = 64 * 2**20
 """KV cache of the CPU engine: plenty for the tiny models the CPU runs use."""
 SUPPORTED_HEAD_DIMS_CPU = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM's CPU attention supports (vllm 0.32 cpu_attn.get_supported_head_sizes)."""
-
-
-def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict:
-    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": spec.vocab, "hidden_size": spec.hidden,
-        "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.layers,
-        "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim_value, "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta, "max_position_embeddings": spec.max_seq_len,
-        "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
-        "attention_bias": spec.qkv_bias,
-        "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16",
-                        torch.float16: "float16"}[dtype],
-    }
 
 
 def _remove_stale_cpu_segments() -> None:
