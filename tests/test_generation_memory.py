@@ -198,6 +198,7 @@ def transition_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     dist.barrier()  # no rank leaves while a peer still talks to it
     clear_meshes()
     dist.destroy_process_group()
+    os._exit(0)  # no C++ static destructors (see tests/trainer_workers.finish)
 
 
 @pytest.mark.parametrize("world", sorted(CONFIGS))
