@@ -19,6 +19,7 @@ import torch
 from executor import algorithms as rl
 from executor.batch import Batch
 from executor.controller import CallRecord, Pending, RoleHandle
+from executor.reward_function import score_texts
 from executor.task import EOS, SortDigits
 from simulator.predict import CONTROLLER_LOCATION
 
@@ -38,6 +39,9 @@ class Context:
     """Safe-RLHF: a cost model scores responses (else the task's cost rule, on the controller)."""
     multiplier: float = 1.0
     """Safe-RLHF: the current Lagrange multiplier (updated every iteration)."""
+    reward_function: Callable[..., Any] | None = None
+    """The user's reward function (``reward: rule`` with ``reward_function`` in the job):
+    called on the controller with (prompt text, response text, data row)."""
     records: list[CallRecord] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
 
@@ -72,10 +76,22 @@ def _scores(ctx: Context, batch: Batch, node: str = "reward.infer") -> tuple[Pen
         if pending is not None:
             model = pending.result()["model_scores"]
             return Batch({"scores": model, "rule_scores": rule})
-        scored = ctx.on_controller(node, "reward", lambda: rule, len(batch))
+        scored = ctx.on_controller(node, "reward", lambda: _rule_scores(ctx, batch, rule, node),
+                                   len(batch))
         return Batch({"scores": scored, "rule_scores": rule})
 
     return pending, finish
+
+
+def _rule_scores(ctx: Context, batch: Batch, rule: torch.Tensor, node: str) -> torch.Tensor:
+    """The rule's scores: the user's reward function on the decoded texts when the job
+    names one, else the task's own rule."""
+    if ctx.reward_function is None:
+        return rule
+    prompts = [ctx.task.text(p) for p in batch["prompts"]]
+    responses = [ctx.task.text(r) for r in batch["responses"]]
+    rows = [ctx.task.row(p) for p in batch["prompts"]]
+    return score_texts(ctx.reward_function, prompts, responses, rows, node)
 
 
 def _costs(ctx: Context, batch: Batch) -> Callable[[], Batch]:

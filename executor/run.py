@@ -129,6 +129,10 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
     check_checkpoints(job, options.checkpoints)
+    if job.reward_function is not None:
+        from executor.reward_function import load_reward_function
+
+        load_reward_function(job.reward_function.path, job.reward_function.name)
     if options.save_hf is not None:
         from executor.model import llama_exportable
 
@@ -305,6 +309,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
     from executor.placement import gpu_nodes, map_plan_nodes
     from executor.protocols import RankLayout
     from executor.records import machine, measurement_rows, versions, write_run
+    from executor.reward_function import RewardFunctionError, load_reward_function
 
     validate_for_execution(job, plan, options)
     configs = role_configs(job, plan, options)
@@ -353,6 +358,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                       reward_from_model="reward" in handles,
                       cost_from_model="cost" in handles,
                       multiplier=options.rl.lambda_init,
+                      reward_function=None if job.reward_function is None else
+                      load_reward_function(job.reward_function.path,
+                                           job.reward_function.name),
                       generator=torch.Generator().manual_seed(options.seed))
         ctx.records = records
         warmup: list[float] = []
@@ -397,14 +405,18 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             start = time.time()
             try:
                 summary = driver(ctx, iteration)
-            except WorkerFailedError as failure:
+            except (WorkerFailedError, RewardFunctionError) as failure:
                 # Keep what finished; the failed iteration's partial calls are left out.
                 where = ""
                 if options.out is not None:
                     meta = run_meta(time.time() - started_at)
-                    meta["failure"] = {"iteration": iteration, "operation": failure.operation,
-                                       "set": failure.location, "rank": failure.rank,
-                                       "cause": failure.cause}
+                    meta["failure"] = (
+                        {"iteration": iteration, "operation": failure.operation,
+                         "set": failure.location, "rank": failure.rank, "cause": failure.cause}
+                        if isinstance(failure, WorkerFailedError) else
+                        # The user's reward function runs on the controller.
+                        {"iteration": iteration, "operation": "reward function",
+                         "set": "controller", "rank": None, "cause": str(failure)})
                     write_run(options.out, rows, metrics, meta, plan)
                     where = f"; records of the {iteration} finished iteration(s) in " \
                             f"{options.out}"

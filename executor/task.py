@@ -72,3 +72,19 @@ class SortDigits:
         """1.0 where the response writes the forbidden digit before its EOS, else 0.0."""
         before_eos = (responses == EOS).long().cumsum(dim=1) == 0
         return ((responses == self.forbidden_token) & before_eos).any(dim=1).float()
+
+    def text(self, tokens: torch.Tensor) -> str:
+        """The digits of a prompt or response as text ("3 1 2"), up to its EOS (a reward
+        function reads this)."""
+        out = []
+        for token in tokens.tolist():
+            if token == EOS:
+                break
+            if token >= DIGIT0:
+                out.append(str(token - DIGIT0))
+        return " ".join(out)
+
+    def row(self, prompt: torch.Tensor) -> dict:
+        """The data row of a prompt, as a dataset would give it: its digits and the answer."""
+        digits = [int(t) - DIGIT0 for t in prompt[1:1 + self.digits].tolist()]
+        return {"digits": digits, "answer": " ".join(str(d) for d in sorted(digits))}

@@ -17,7 +17,7 @@ from executor.batch import Batch  # noqa: E402
 from executor.controller import WorkerGroup  # noqa: E402
 from executor.generation import tp_shard_dim  # noqa: E402
 from executor.model import build_model  # noqa: E402
-from executor.run import ExecutionOptions, execute, role_configs  # noqa: E402
+from executor.run import ExecutionOptions, RunFailedError, execute, role_configs  # noqa: E402
 from executor.task import SortDigits  # noqa: E402
 from profiles.datafile import SpecError  # noqa: E402
 from simulator.costs.transition import transition_volume_bytes  # noqa: E402
@@ -298,6 +298,50 @@ def test_the_trained_actor_is_saved_as_a_hugging_face_checkpoint(
     initial = build_model(MODEL_PRESETS["tiny-2l"], seed=0).state_dict()
     assert not torch.equal(ours.state_dict()["model.layers.0.mlp.up_proj.weight"],
                            initial["model.layers.0.mlp.up_proj.weight"].bfloat16().float())
+
+
+REWARD_FUNCTION = """
+import json, os
+
+def compute_score(prompt, response, row):
+    # Log what the executor passed; fail on the second iteration when asked to.
+    with open(os.environ["REWARD_LOG"], "a") as log:
+        log.write(json.dumps([prompt, response, row]) + "\\n")
+    calls = sum(1 for _ in open(os.environ["REWARD_LOG"]))
+    if os.environ.get("REWARD_FAIL_AFTER") and calls > int(os.environ["REWARD_FAIL_AFTER"]):
+        raise ValueError("the judge is down")
+    return {"score": 1.0 if response == row["answer"] else 0.25}
+"""
+
+
+def test_the_users_reward_function_scores_decoded_texts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    from simulator.specs.job import RewardFunction
+
+    (tmp_path / "my_reward.py").write_text(REWARD_FUNCTION)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "calls.jsonl"))
+    j = replace(job("grpo", 1), reward_function=RewardFunction(
+        path=str(tmp_path / "my_reward.py")))
+    p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
+    result = run(j, p, tmp_path / "ok", steps=2, seed=0)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 * 8 * 4  # every sampled response of both iterations
+    prompt, response, row = calls[0]
+    assert prompt == " ".join(str(d) for d in row["digits"])  # text, not token ids
+    assert all(part.isdigit() for part in response.split())
+    scores = [1.0 if c[1] == c[2]["answer"] else 0.25 for c in calls[:32]]
+    assert result.metrics[0]["score"] == pytest.approx(sum(scores) / len(scores))
+    # A reward function that raises mid-run: the run stops with one line naming the row,
+    # and the first iteration's records stay.
+    monkeypatch.setenv("REWARD_FAIL_AFTER", str(len(calls) + 32))
+    with pytest.raises(RunFailedError, match="row 0: the reward function raised ValueError: "
+                                             "the judge is down; records of the 1 finished"):
+        run(j, p, tmp_path / "failing", steps=3, seed=0)
+    kept = json.loads((tmp_path / "failing" / "run" / "meta.json").read_text())
+    assert kept["failure"]["operation"] == "reward function"
+    assert (tmp_path / "failing" / "run" / "metrics.csv").read_text().count("\n") == 2
 
 
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, from_mapping, read_mapping
+from profiles.datafile import SpecError, from_mapping, read_mapping, require
 from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
 from simulator.specs.cluster import ClusterSpec
 from simulator.specs.dataflow import (
@@ -106,6 +106,22 @@ class RoleBackends:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class RewardFunction:
+    """The user's reward function for ``reward: rule`` (the executor calls it; the planner
+    prices it as a rule on the controller)."""
+
+    path: str
+    """A Python file (relative paths are relative to the job file)."""
+    name: str = "compute_score"
+    """The function in it: (prompt text, response text, data row) -> float, or a mapping
+    with a ``score``."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.path.strip()), "must name a Python file", "path")
+        require(self.name.isidentifier(), f"{self.name!r} is not a function name", "name")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class JobSpec:
     """An RLHF job: what runs (algorithm, models), where (cluster) and on what (workload)."""
 
@@ -125,9 +141,14 @@ class JobSpec:
     """The RLHF framework that runs the job: a profile name (``profiles/frameworks/``: verl,
     nemo-rl, hybridflow) or a profile YAML. It decides which passes run, overlap defaults,
     the rollout engine's behaviour, offload and fixed costs."""
+    reward_function: RewardFunction | None = None
+    """The user's reward function, for ``reward: rule`` (None: the task's own rule)."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
+        if self.reward_function is not None and self.models.get("reward") != RULE:
+            raise SpecError("a reward function scores in place of a reward model: give "
+                            "models.reward: rule", key="reward_function")
         try:
             load_framework(self.framework)
         except SpecError as exc:
@@ -278,6 +299,8 @@ class JobSpec:
             "parallel": {r: p.set_fields() for r, p in self.parallel.items()},
             "backends": {r: to_mapping(b) for r, b in self.backends.items()},
             "framework": self.framework,
+            **({"reward_function": to_mapping(self.reward_function)}
+               if self.reward_function is not None else {}),
         }
 
 
@@ -315,7 +338,7 @@ def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
 
 
 _JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
-             "framework")
+             "framework", "reward_function")
 
 
 def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
@@ -370,9 +393,20 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
                             key="framework")
         if base_dir is not None and framework.endswith((".yaml", ".yml")):
             framework = str(base_dir / framework)
+        reward_function = None
+        if data.get("reward_function") is not None:
+            raw = data["reward_function"]
+            if not isinstance(raw, dict):
+                raise SpecError(f"expected a mapping {{path, name}}, got {raw!r}",
+                                key="reward_function")
+            reward_function = from_mapping(RewardFunction, raw, key_prefix="reward_function")
+            if base_dir is not None and not Path(reward_function.path).is_absolute():
+                reward_function = RewardFunction(path=str(base_dir / reward_function.path),
+                                                 name=reward_function.name)
         return JobSpec(algorithm=algorithm, models=models,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
-                       parallel=parallel, backends=backends, name=name, framework=framework)
+                       parallel=parallel, backends=backends, name=name, framework=framework,
+                       reward_function=reward_function)
     except SpecError as exc:
         raise exc.within(source=source) from None
 
