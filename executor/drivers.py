@@ -292,3 +292,15 @@ def fit_reward_model(ctx: Context, steps: int, batch_size: int,
 
 def _prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}_{k}": float(v) for k, v in metrics.items()}
+
+
+def validation_scores(ctx: Context, prompts: torch.Tensor, iteration: int) -> dict[str, float]:
+    """Greedy responses to the held-out prompts, scored by the rule (or the user's reward
+    function): the validation reward. Recorded as its own stage, outside the iteration."""
+    batch = ctx.actor.generate(Batch({"prompts": prompts}, {"iteration": iteration,
+                                                            "greedy": True}),
+                               node="actor.validate").result()
+    rule = ctx.task.score(batch["prompts"], batch["responses"])
+    scores = _rule_scores(ctx, batch, rule, "actor.validate")
+    return {"val_score": float(scores.mean()), "val_rule_score": float(rule.mean()),
+            "val_solved": float((rule == 1.0).float().mean())}

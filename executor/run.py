@@ -47,6 +47,9 @@ class ExecutionOptions:
     worker_setup: str | None = None
     """``module:function`` every worker imports and calls before building models
     (site-specific preparation)."""
+    validate_every: int = 0
+    """Every this many iterations (and after the last), greedy responses to held-out prompts
+    are scored: the validation reward in metrics.csv (0: never)."""
     save_hf: Path | None = None
     """Where to write the trained actor as a Hugging Face checkpoint at the end (config.json
     + model.safetensors); None: nothing is written."""
@@ -305,7 +308,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
 
     from executor.batch import Batch
     from executor.controller import RoleHandle, WorkerFailedError, WorkerGroup
-    from executor.drivers import DRIVERS, Context, fit_reward_model
+    from executor.drivers import DRIVERS, Context, fit_reward_model, validation_scores
     from executor.placement import gpu_nodes, map_plan_nodes
     from executor.protocols import RankLayout
     from executor.records import machine, measurement_rows, versions, write_run
@@ -376,6 +379,9 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 f"{cost_warmup[-1]:.4f}")
         records.clear()
         driver = DRIVERS[job.algorithm]
+        # Held-out prompts, drawn from their own generator so training data is unchanged.
+        held_out = options.task.sample(work.prompts_per_iteration,
+                                       torch.Generator().manual_seed(options.seed + 1_000_003))
         rows: list[dict[str, Any]] = []
         metrics: list[dict[str, Any]] = []
         origin = time.time()
@@ -387,6 +393,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                                 "rl": to_mapping(options.rl), "task": to_mapping(options.task),
                                 "reward_warmup_steps": options.reward_warmup_steps,
                                 "checkpoints": dict(options.checkpoints),
+                                "validate_every": options.validate_every,
                                 "save_hf": str(options.save_hf) if options.save_hf else None},
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
                     "versions": versions(),
@@ -435,11 +442,18 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             metrics.append({"iteration": iteration, "seconds": end - start, **summary,
                             "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
                             "tokens_per_s": tokens / (end - start)})
+            if options.validate_every and ((iteration + 1) % options.validate_every == 0
+                                           or iteration + 1 == options.steps):
+                metrics[-1].update(validation_scores(ctx, held_out, iteration))
+                summary = {**summary, "val_score": metrics[-1]["val_score"]}
             constraint = (f", cost {summary['rule_cost']:.2f}, lambda {summary['lambda']:.3f}"
                           if "lambda" in summary else "")
             remaining = (time.time() - origin) / (iteration + 1) * (options.steps - iteration - 1)
+            validation = (f", validation {summary['val_score']:.3f}"
+                          if "val_score" in summary else "")
             say(f"iteration {iteration + 1}/{options.steps}: {end - start:.2f} s, score "
                 f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
+                f"{validation}"
                 f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
         if options.save_hf is not None:
             handles["actor"].save_hf(Batch(meta={"directory": str(options.save_hf)})).result()

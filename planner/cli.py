@@ -705,6 +705,9 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
               help="Start a role from a local Hugging Face checkpoint directory (safetensors "
                    "with Hugging Face Llama parameter names; repeatable). The reference "
                    "takes the actor's unless given its own.")
+@click.option("--validate-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Score greedy responses to held-out prompts every N iterations and after "
+                   "the last (the validation reward in metrics.csv; 0: never).")
 @click.option("--save-hf", type=click.Path(file_okay=False), default=None,
               help="Write the trained actor to this directory at the end, as a Hugging Face "
                    "checkpoint (config.json + model.safetensors; Llama-style models).")
@@ -712,7 +715,8 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
-            checkpoints: tuple[str, ...], save_hf: str | None, as_json: bool) -> None:
+            checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
+            as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -734,6 +738,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                worker_logs=worker_logs,
                                checkpoints=_role_paths(checkpoints, "--checkpoint"),
                                save_hf=Path(save_hf) if save_hf else None,
+                               validate_every=validate_every,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)

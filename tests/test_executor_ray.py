@@ -300,6 +300,18 @@ def test_the_trained_actor_is_saved_as_a_hugging_face_checkpoint(
                            initial["model.layers.0.mlp.up_proj.weight"].bfloat16().float())
 
 
+def test_validation_reward_on_held_out_prompts(tmp_path: Path) -> None:
+    j = job("grpo", 1)
+    p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
+    result = run(j, p, tmp_path, steps=3, seed=0, validate_every=2)
+    validated = [m for m in result.metrics if "val_score" in m]
+    assert [m["iteration"] for m in validated] == [1, 2]  # every 2nd and after the last
+    for m in validated:
+        assert 0.0 <= m["val_rule_score"] <= 1.0 and m["val_score"] == m["val_rule_score"]
+    # Validation is outside the iterations: no stage of the timings is a validation.
+    assert not [r for r in result.rows if r["node"] == "actor.validate"]
+
+
 REWARD_FUNCTION = """
 import json, os
 
