@@ -53,6 +53,9 @@ class ExecutionOptions:
     save_hf: Path | None = None
     """Where to write the trained actor as a Hugging Face checkpoint at the end (config.json
     + model.safetensors); None: nothing is written."""
+    save_hf_every: int = 0
+    """Also write it every this many iterations (replacing the previous one whole; 0: only
+    at the end)."""
     checkpoints: dict[str, str] = field(default_factory=dict)
     """role -> local Hugging Face checkpoint directory its model starts from (the reference
     takes the actor's when it has none of its own and the same model)."""
@@ -442,6 +445,11 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             metrics.append({"iteration": iteration, "seconds": end - start, **summary,
                             "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
                             "tokens_per_s": tokens / (end - start)})
+            if options.save_hf is not None and options.save_hf_every and \
+                    (iteration + 1) % options.save_hf_every == 0 and \
+                    iteration + 1 < options.steps:
+                handles["actor"].save_hf(Batch(meta={"directory": str(options.save_hf)}))\
+                    .result()
             if options.validate_every and ((iteration + 1) % options.validate_every == 0
                                            or iteration + 1 == options.steps):
                 metrics[-1].update(validation_scores(ctx, held_out, iteration))

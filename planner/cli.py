@@ -711,12 +711,15 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 @click.option("--save-hf", type=click.Path(file_okay=False), default=None,
               help="Write the trained actor to this directory at the end, as a Hugging Face "
                    "checkpoint (config.json + model.safetensors; Llama-style models).")
+@click.option("--save-hf-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --save-hf, also write the actor every N iterations (0: at the end "
+                   "only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
             checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
-            as_json: bool) -> None:
+            save_hf_every: int, as_json: bool) -> None:
     """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
     import time as _time
 
@@ -738,7 +741,7 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                worker_logs=worker_logs,
                                checkpoints=_role_paths(checkpoints, "--checkpoint"),
                                save_hf=Path(save_hf) if save_hf else None,
-                               validate_every=validate_every,
+                               validate_every=validate_every, save_hf_every=save_hf_every,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
     try:
         validate_for_execution(job, plan_file, options)

@@ -286,7 +286,9 @@ def test_the_trained_actor_is_saved_as_a_hugging_face_checkpoint(
     j = job("grpo", 2)
     p = plan(j, [(("actor", "ref"), 2)], {"actor": layout, "ref": layout})
     saved = tmp_path / "actor-hf"
-    run(j, p, tmp_path, steps=1, save_hf=saved)
+    run(j, p, tmp_path, steps=2, save_hf=saved, save_hf_every=1)
+    # Written after iteration 0, then replaced whole at the end: nothing partial left.
+    assert sorted(x.name for x in tmp_path.iterdir() if "actor-hf" in x.name) == ["actor-hf"]
     model = transformers.LlamaForCausalLM.from_pretrained(saved, torch_dtype=torch.float32)
     ids = torch.tensor([[1, 4, 6, 5, 3]])
     generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
