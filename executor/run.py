@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from executor.algorithms import RLConfig
 from executor.hybrid_engine import TransitionMode
@@ -410,6 +410,22 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "ray_address": options.address or (
                         "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
 
+        def fail(failure: Exception, iteration: int, finished: int) -> NoReturn:
+            """Write the records of the ``finished`` iterations and raise RunFailedError."""
+            where = ""
+            if options.out is not None:
+                meta = run_meta(time.time() - started_at)
+                meta["failure"] = (
+                    {"iteration": iteration, "operation": failure.operation,
+                     "set": failure.location, "rank": failure.rank, "cause": failure.cause}
+                    if isinstance(failure, WorkerFailedError) else
+                    # The user's reward function runs on the controller.
+                    {"iteration": iteration, "operation": "reward function",
+                     "set": "controller", "rank": None, "cause": str(failure)})
+                write_run(options.out, rows, metrics, meta, plan)
+                where = f"; records of the {finished} finished iteration(s) in {options.out}"
+            raise RunFailedError(f"{failure}{where}") from None
+
         for iteration in range(options.steps):
             records.clear()
             start = time.time()
@@ -417,20 +433,7 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 summary = driver(ctx, iteration)
             except (WorkerFailedError, RewardFunctionError) as failure:
                 # Keep what finished; the failed iteration's partial calls are left out.
-                where = ""
-                if options.out is not None:
-                    meta = run_meta(time.time() - started_at)
-                    meta["failure"] = (
-                        {"iteration": iteration, "operation": failure.operation,
-                         "set": failure.location, "rank": failure.rank, "cause": failure.cause}
-                        if isinstance(failure, WorkerFailedError) else
-                        # The user's reward function runs on the controller.
-                        {"iteration": iteration, "operation": "reward function",
-                         "set": "controller", "rank": None, "cause": str(failure)})
-                    write_run(options.out, rows, metrics, meta, plan)
-                    where = f"; records of the {iteration} finished iteration(s) in " \
-                            f"{options.out}"
-                raise RunFailedError(f"{failure}{where}") from None
+                fail(failure, iteration, finished=iteration)
             end = time.time()
             rows.extend(measurement_rows(list(records), iteration, plan, origin, backends))
             rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
@@ -445,15 +448,18 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             metrics.append({"iteration": iteration, "seconds": end - start, **summary,
                             "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
                             "tokens_per_s": tokens / (end - start)})
-            if options.save_hf is not None and options.save_hf_every and \
-                    (iteration + 1) % options.save_hf_every == 0 and \
-                    iteration + 1 < options.steps:
-                handles["actor"].save_hf(Batch(meta={"directory": str(options.save_hf)}))\
-                    .result()
-            if options.validate_every and ((iteration + 1) % options.validate_every == 0
-                                           or iteration + 1 == options.steps):
-                metrics[-1].update(validation_scores(ctx, held_out, iteration))
-                summary = {**summary, "val_score": metrics[-1]["val_score"]}
+            try:  # after the iteration's records: a checkpoint, a validation
+                if options.save_hf is not None and options.save_hf_every and \
+                        (iteration + 1) % options.save_hf_every == 0 and \
+                        iteration + 1 < options.steps:
+                    handles["actor"].save_hf(
+                        Batch(meta={"directory": str(options.save_hf)})).result()
+                if options.validate_every and ((iteration + 1) % options.validate_every == 0
+                                               or iteration + 1 == options.steps):
+                    metrics[-1].update(validation_scores(ctx, held_out, iteration))
+                    summary = {**summary, "val_score": metrics[-1]["val_score"]}
+            except (WorkerFailedError, RewardFunctionError) as failure:
+                fail(failure, iteration, finished=iteration + 1)
             constraint = (f", cost {summary['rule_cost']:.2f}, lambda {summary['lambda']:.3f}"
                           if "lambda" in summary else "")
             remaining = (time.time() - origin) / (iteration + 1) * (options.steps - iteration - 1)
@@ -464,7 +470,11 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 f"{validation}"
                 f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
         if options.save_hf is not None:
-            handles["actor"].save_hf(Batch(meta={"directory": str(options.save_hf)})).result()
+            try:
+                handles["actor"].save_hf(
+                    Batch(meta={"directory": str(options.save_hf)})).result()
+            except WorkerFailedError as failure:
+                fail(failure, options.steps - 1, finished=options.steps)
             say(f"actor written as a Hugging Face checkpoint to {options.save_hf}")
         seconds = time.time() - started_at
         if options.out is not None:
