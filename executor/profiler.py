@@ -103,7 +103,18 @@ def _curve(points: list[tuple[float, float]], work_per_second: float,
     return curve
 
 
+def device_sync(device: Any) -> Callable[[], None]:
+    """What a timing waits on before reading the clock: the GPU's queue under CUDA (its
+    kernels and NCCL collectives return before they finish), nothing on the CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def _emit(progress: Callable[[str], None] | None, message: str) -> None:
+    """Report ``message`` when the caller asked for progress."""
     if progress is not None:
         progress(message)
 
@@ -116,7 +127,7 @@ def measure_compute(settings: ProfileSettings, data: Measurements,
 
     torch.set_num_threads(1)
     device = torch.device(settings.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     peaks: dict[str, float] = {}
     matmul_points: dict[str, list[tuple[float, float]]] = {}
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -172,6 +183,7 @@ def measure_compute(settings: ProfileSettings, data: Measurements,
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                        backend: str, out: str) -> None:
+    """One process of the collective benchmarks; rank 0 writes the slowest rank's times."""
     import torch
     import torch.distributed as dist
 
@@ -182,7 +194,7 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world,
                             device_id=device if device.type == "cuda" else None)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     results = []
     for size in sizes:
         count = max(world, size // 4 // world * world)
@@ -239,10 +251,11 @@ def collective_device(backend: str, rank: int) -> Any:
 def device_memory_bytes(device: str, world_size: int) -> float:
     """Memory of one device: a GPU's own (its properties), or this host's RAM shared by the
     ``world_size`` worker processes of a CPU profile."""
-    if device == "cuda":
-        import torch
+    import torch
 
-        return float(torch.cuda.get_device_properties(0).total_memory)
+    if torch.device(device).type == "cuda":
+        # The profiled GPU's own capacity: the host's RAM says nothing about it.
+        return float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") \
         if hasattr(os, "sysconf") else 16 * 2**30
     return memory / max(world_size, 1)
@@ -252,6 +265,19 @@ INTER_NODE_NOT_MEASURED = (
     "inter_node and efficiency.inter_node_collective are NOT measured: the profiler runs on "
     "one node, so they repeat the intra-node figures; replace them with the cluster's "
     "network (NIC bandwidth and latency, nics_per_node) before planning across nodes")
+
+
+def check_world_size(settings: ProfileSettings) -> None:
+    """Refuse a CUDA profile with more collective processes than this node has GPUs (each
+    process binds GPU ``rank``; NCCL cannot put two ranks on one GPU)."""
+    if settings.device != "cuda":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if settings.world_size > count:
+        raise SpecError(f"{settings.world_size} collective processes need as many GPUs; this "
+                        f"node has {count}", key="--world-size")
 
 
 def measure_collectives(settings: ProfileSettings, data: Measurements,
@@ -300,7 +326,7 @@ def _decode_overhead(settings: ProfileSettings, data: Measurements, launch: floa
 
     spec = MODEL_PRESETS["tiny-4l"]
     device = torch.device(settings.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     engine = GenerationEngine(spec)
     engine.load({n: p.detach().to(device) for n, p in build_model(spec).named_parameters()})
     profile = from_mapping(DeviceProfile, {**draft, "overheads": {
@@ -333,6 +359,7 @@ def measure_profile(settings: ProfileSettings,
                     progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any],
                                                                             pd.DataFrame]:
     """Run every benchmark; returns the profile mapping and the measurements table."""
+    check_world_size(settings)  # before minutes of compute benchmarks, not after
     data = Measurements()
     compute = measure_compute(settings, data, progress)
     collectives = measure_collectives(settings, data, progress)
@@ -357,12 +384,16 @@ def measure_profile(settings: ProfileSettings,
         "memory_bandwidth_bytes_per_s": float(bandwidth),
         "intra_node": {"bandwidth_bytes_per_s": float(link), "latency_seconds": float(latency)},
         "nics_per_node": 1,  # one machine: only loopback between its processes
+        # NOT measured: one node has no inter-node link to time, and DeviceProfile requires
+        # the field, so it copies intra_node; INTER_NODE_NOT_MEASURED says so in the
+        # provenance notes and the file's header, for the user to replace.
         "inter_node": {"bandwidth_bytes_per_s": float(link), "latency_seconds": float(latency)},
         "efficiency": {
             "matmul": _curve(compute["matmul"]["fp32"], peak),
             "attention": _curve(compute["attention"], peak),
             "memory": _curve(compute["copy"], bandwidth),
             "intra_node_collective": collective_curve,
+            # A copy of the intra-node curve, not measured (see inter_node above).
             "inter_node_collective": [list(point) for point in collective_curve],
         },
     }
@@ -384,9 +415,14 @@ def measure_profile(settings: ProfileSettings,
 
 
 def _provenance_notes(settings: ProfileSettings) -> str:
+    """Machine, versions and settings of the measurement, and what was not measured."""
     import torch
 
+    # A GPU profile names its GPU (a CPU profile's notes stay as they were).
+    gpu = f"GPU {torch.cuda.get_device_name(torch.device(settings.device))}, " \
+        if settings.device == "cuda" else ""
     return (f"machine {socket.gethostname()}, {platform.platform()}, {os.cpu_count()} CPUs, "
+            f"{gpu}"
             f"python {platform.python_version()}, torch {torch.__version__}, device "
             f"{settings.device}, {settings.world_size} processes for collectives, one thread "
             f"per process, quick={settings.quick}, best of {settings.repeats} repeats. "
