@@ -1002,11 +1002,14 @@ def validate(as_json: bool) -> None:
             "cases": table.to_dict(orient="records"),
             "groups": [{"group": g.group, "source": g.source, "cases": g.cases,
                         "mean_abs_error_pct": g.mean_abs_error_pct,
+                        "median_abs_error_pct": g.median_abs_error_pct,
                         "max_abs_error_pct": g.max_abs_error_pct,
                         "bias_pct": g.bias_pct, "bias_direction": g.bias_direction,
                         "metric": g.metric,
                         "target_max_abs_error_pct": g.target_max_abs_error_pct,
                         "meets_target": g.meets_target,
+                        "goal_median_abs_error_pct": g.goal_median_abs_error_pct,
+                        "meets_goal": g.meets_goal,
                         "gate_mean_abs_error_pct": g.gate_mean_abs_error_pct,
                         "gate_max_abs_error_pct": g.gate_max_abs_error_pct,
                         "within_gate": g.within_gate,
@@ -1023,16 +1026,22 @@ def validate(as_json: bool) -> None:
                 click.echo(f"  assumption: {assumption}")
             click.echo(f"  {'case':<40} {'measured':>10} {'predicted':>10} {'error':>8}")
             for _, row in rows.iterrows():
-                click.echo(f"  {row['case']:<40} {row['measured']:>10.2f} "
+                # A published stage timer of the case above (not in the group's statistics).
+                label = f"  . {row['stage']}" if row["stage"] else row["case"]
+                click.echo(f"  {label:<40} {row['measured']:>10.2f} "
                            f"{row['predicted']:>10.2f} {row['error_pct']:>+7.1f}%")
             target = ("" if g.target_max_abs_error_pct is None else
                       f"   target max <= {g.target_max_abs_error_pct:g}%: "
                       f"{'met' if g.meets_target else 'MISSED'}")
+            goal = ("" if g.goal_median_abs_error_pct is None else
+                    f"   goal median <= {g.goal_median_abs_error_pct:g}%: "
+                    f"{'met' if g.meets_goal else 'MISSED'}")
             gate = (f"   gate {g.gate_mean_abs_error_pct:g}% / {g.gate_max_abs_error_pct:g}%: "
                     + ("held" if g.within_gate else "REGRESSED"))
-            click.echo(f"  mean |error| {g.mean_abs_error_pct:.2f}%   max |error| "
+            click.echo(f"  mean |error| {g.mean_abs_error_pct:.2f}%   median "
+                       f"{g.median_abs_error_pct:.2f}%   max |error| "
                        f"{g.max_abs_error_pct:.2f}%   bias {g.bias_pct:+.2f}% ({g.bias_direction})"
-                       f"{target}{gate}")
+                       f"{target}{goal}{gate}")
     if not all(g.passes for g in groups):
         sys.exit(EXIT_DOES_NOT_FIT)
 

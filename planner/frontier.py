@@ -293,10 +293,11 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
         model = job.model(node.role)
         profile = job.cluster.profile()
         gpn = job.cluster.gpus_per_node
-        seconds, _, peak_tokens = decode(model, profile, gen, lengths=lengths,
-                                         prompt_len=work.prompt_length, cap=cap,
-                                         dtype=work.dtype, gpus_per_node=gpn,
-                                         cuda_graphs=job.framework_profile.rollout.cuda_graphs)
+        rollout = job.framework_profile.rollout
+        seconds, _, peak_tokens = decode(
+            model, profile, gen, lengths=lengths, prompt_len=work.prompt_length, cap=cap,
+            dtype=work.dtype, gpus_per_node=gpn, cuda_graphs=rollout.cuda_graphs,
+            host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
         seconds += prefill_seconds(model, profile, gen, sequences=len(lengths),
                                    prompt_len=work.prompt_length, dtype=work.dtype,
                                    gpus_per_node=gpn)

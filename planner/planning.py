@@ -19,12 +19,16 @@ STRATEGIES = ("colocate", "standalone", "split")
 
 
 def standard_placement(job: JobSpec, name: str) -> Placement | None:
-    """colocate: all models on all GPUs; standalone: each model its own GPUs; split:
-    actor+ref | critic+reward (the cost model joins the critic). None if not applicable."""
+    """colocate: all models on all GPUs; standalone: each model its own GPUs (a reference the
+    framework swaps into the actor's model rides with the actor); split: actor+ref |
+    critic+reward (the cost model joins the critic). None if not applicable."""
     roles = job.gpu_roles
     if name == "colocate":
         return (roles,)
     if name == "standalone":
+        if job.reference_on_host:
+            return tuple(("actor", "ref") if r == "actor" else (r,) for r in roles
+                         if r != "ref")
         return tuple((r,) for r in roles)
     first = tuple(r for r in roles if r in ("actor", "ref"))
     second = tuple(r for r in roles if r not in first)

@@ -464,8 +464,7 @@ class Search:
         """Search ``placements_to_try`` (default: the options', else all) keeping the
         ``top_k`` best; caches carry over between runs on one Search."""
         start = time.perf_counter()
-        chosen = (placements_to_try or self.options.placements
-                  or tuple(placements(self.job.gpu_roles)))
+        chosen = allowed_placements(self.job, placements_to_try or self.options.placements)
         self._top_k = top_k or self.options.top_k
         top: list = []
         for index, placement in enumerate(chosen):
@@ -477,6 +476,21 @@ class Search:
         self.stats.seconds += time.perf_counter() - start
         return SearchResult(best=ranking[0] if ranking else None, ranking=ranking,
                             stats=self.stats)
+
+
+def allowed_placements(job: JobSpec, given: tuple[Placement, ...] | None = None
+                       ) -> tuple[Placement, ...]:
+    """The placements to search: ``given`` (each checked against what the job's framework can
+    run) or every set partition of the GPU roles that the framework can run."""
+    if not given:
+        return tuple(p for p in placements(job.gpu_roles) if job.placement_allowed(p))
+    for placement in given:
+        if not job.placement_allowed(placement):
+            raise SpecError(f"framework {job.framework!r} keeps the reference model's weights "
+                            "in host memory and swaps them into the actor's model: 'ref' must "
+                            f"share the actor's set (placement {placement_label(placement)})",
+                            key="placement")
+    return given
 
 
 def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float:
@@ -493,7 +507,9 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
     profile = job.cluster.profile()
     seconds, _, _ = decode(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                            cap=cap, dtype=work.dtype, gpus_per_node=job.cluster.gpus_per_node,
-                           cuda_graphs=job.framework_profile.rollout.cuda_graphs)
+                           cuda_graphs=job.framework_profile.rollout.cuda_graphs,
+                           host_seconds_per_sequence=job.framework_profile.rollout
+                           .decode_host_seconds_per_sequence)
     return seconds + prefill_seconds(model, profile, gen, sequences=len(lengths),
                                      prompt_len=work.prompt_length, dtype=work.dtype,
                                      gpus_per_node=job.cluster.gpus_per_node) \
@@ -541,7 +557,7 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
     total, gpn = job.cluster.total_gpus, job.cluster.gpus_per_node
     sizes = set_sizes(total, gpn)
     best: Candidate | None = None
-    for placement in placements_to_try or placements(job.gpu_roles):
+    for placement in allowed_placements(job, placements_to_try):
         for allocation in itertools.product(sizes, repeat=len(placement)):
             first = pack(allocation, total, gpn)
             if first is None:

@@ -129,6 +129,30 @@ class Link:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class HostLink:
+    """Copies between one device and its host's memory (PCIe), as frameworks use them to
+    offload training states or park weights between phases."""
+
+    pinned_bytes_per_s: float
+    """Copy rate to or from page-locked host memory (DMA at the link's rate), bytes/s."""
+    pageable_bytes_per_s: float
+    """Copy rate to or from ordinary (pageable) host memory that is already mapped: the driver
+    stages it through a pinned buffer, so the host's memcpy limits it, bytes/s."""
+    page_fault_seconds: float = 0.0
+    """Extra seconds per 4 KiB page when a copy writes pageable host memory that was just
+    allocated (``tensor.to("cpu")``): the kernel maps every page on first touch."""
+
+    def __post_init__(self) -> None:
+        require(self.pinned_bytes_per_s > 0, "must be > 0", "pinned_bytes_per_s")
+        require(self.pageable_bytes_per_s > 0, "must be > 0", "pageable_bytes_per_s")
+        require(self.page_fault_seconds >= 0, "must be >= 0", "page_fault_seconds")
+
+
+HOST_PAGE_BYTES = 4096
+"""Size of one host memory page (x86-64 Linux default), bytes."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Overheads:
     """Fixed costs that do not scale with work, in seconds."""
 
@@ -233,6 +257,9 @@ class DeviceProfile:
     """NICs per node for inter-node traffic, shared by the node's GPUs (None: one per GPU).
     A cluster's ``network:`` overrides it and the NIC bandwidth."""
     efficiency: EfficiencyCurves
+    host_link: HostLink | None = None
+    """Copies to and from host memory (None: not described; a framework that offloads states
+    to the host then cannot be priced on this device)."""
     overheads: Overheads = field(default_factory=Overheads)
     corrections: dict[str, float] = field(default_factory=dict)
     """Fitted multiplicative corrections of predicted seconds (keys: CORRECTION_KEYS)."""

@@ -54,6 +54,14 @@ class TrainingSettings:
     transition_megatron: TransitionScheme = "train_group"
     """How Megatron-trained actor weights reach the rollout engine (train_group: gathered
     within the tensor x pipeline group)."""
+    grad_reduce_in_fp32: bool = True
+    """Megatron-style training keeps (and reduces) its main gradients in fp32; false: in the
+    training dtype (half the gradient memory and traffic)."""
+    reference_weights: Literal["gpu", "host_swap"] = "gpu"
+    """gpu: the reference model is a model of its own, resident on its GPUs; host_swap: its
+    weights live in host memory and are swapped into the actor's model for the reference pass
+    (the actor's weights go to host and come back), so a reference colocated with the actor
+    holds no GPU memory and its pass runs in the actor's layout."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -83,34 +91,49 @@ class RolloutSettings:
     counted against it, but must still fit beside it."""
     max_num_seqs: int = 256
     """Default cap on sequences decoded at once per engine replica."""
+    decode_host_seconds_per_sequence: float = 0.0
+    """Host work of the engine per running sequence per decode step (scheduling, input
+    preparation, output processing) that the GPU waits for: serialised with the step when the
+    engine does not schedule asynchronously, s."""
 
     def __post_init__(self) -> None:
         for name in ("wake_seconds", "sleep_seconds", "weight_backup_bytes_per_s",
-                     "weight_restore_bytes_per_s"):
+                     "weight_restore_bytes_per_s", "decode_host_seconds_per_sequence"):
             require(getattr(self, name) >= 0, "must be >= 0", name)
         require(0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]",
                 "gpu_memory_utilization")
         require(self.max_num_seqs >= 1, "must be a positive integer", "max_num_seqs")
 
 
+HostCopy = Literal["pinned_buffer", "new_pageable", "freed"]
+"""How a framework parks a training state in host memory between phases.
+
+pinned_buffer: copied into a page-locked host buffer that is kept between iterations, and back
+(Megatron's parameter buffer ``offload_to_cpu``: ``param_data.cpu().pin_memory()`` once, then
+``copy_``); new_pageable: copied tensor by tensor into freshly allocated pageable memory
+(``tensor.to("cpu")``), which the kernel maps page by page on first touch, and back from it;
+freed: dropped and re-created (zeroed) on the way back, nothing copied (Megatron's gradient
+buffer, ``storage().resize_(0)``)."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class OffloadSettings:
     """Trained models' states moved to host memory while the rollout engine runs (and back
-    before training), so that the KV cache can use their GPU memory."""
+    before they are needed), so that the KV cache can use their GPU memory. The copy rates are
+    the device's (``host_link`` of the device profile)."""
 
     optimizer: bool = False
+    """Adam states (and fp32 master weights) leave the GPU around generation."""
     grads: bool = False
+    """Gradient buffers leave the GPU around generation."""
     params: bool = False
-    bytes_per_s: float = 0.0
-    """Rate of those copies (each direction), bytes/s."""
-    seconds_per_tensor: float = 0.0
-    """Fixed cost of each tensor copied (one copy per tensor and per state kind)."""
-
-    def __post_init__(self) -> None:
-        require(self.bytes_per_s >= 0, "must be >= 0", "bytes_per_s")
-        require(self.seconds_per_tensor >= 0, "must be >= 0", "seconds_per_tensor")
-        require(self.bytes_per_s > 0 or not (self.optimizer or self.grads or self.params),
-                "an offload needs a copy rate > 0", "bytes_per_s")
+    """Parameters leave the GPU around generation (the engine holds its own copy meanwhile)."""
+    optimizer_to: HostCopy = "new_pageable"
+    """How the optimizer states are parked (see HostCopy)."""
+    grads_to: HostCopy = "freed"
+    """How the gradient buffers are parked."""
+    params_to: HostCopy = "pinned_buffer"
+    """How the parameters are parked."""
 
     @property
     def any(self) -> bool:
@@ -173,8 +196,41 @@ def resolve_framework_path(name_or_path: str) -> Path:
     return path
 
 
+def _merged(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, section by section (nested mappings merge)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def framework_mapping(name_or_path: str, chain: tuple[str, ...] = ()) -> dict:
+    """A profile's raw mapping with its ``base:`` profiles applied underneath it: a profile
+    that names a base only writes what differs (a release of a framework, or a user's
+    settings on top of a shipped profile)."""
+    path = resolve_framework_path(name_or_path)
+    if str(path) in chain:
+        raise SpecError(f"profiles name each other as base: {' -> '.join(chain)}",
+                        key="base", source=str(path))
+    data = read_mapping(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise SpecError("expected the name or path of another framework profile",
+                        key="base", source=str(path))
+    if not base.endswith((".yaml", ".yml")) or Path(base).is_absolute():
+        parent = base
+    else:
+        parent = str(path.parent / base)
+    return _merged(framework_mapping(parent, (*chain, str(path))), data)
+
+
 @cache
 def load_framework(name_or_path: str = DEFAULT_FRAMEWORK) -> FrameworkProfile:
     """A framework profile by name (``verl``) or path (read once; profiles are immutable)."""
     path = resolve_framework_path(name_or_path)
-    return from_mapping(FrameworkProfile, read_mapping(path), source=str(path))
+    return from_mapping(FrameworkProfile, framework_mapping(name_or_path), source=str(path))

@@ -193,6 +193,10 @@ class Plan:
         missing = [r for r in gpu_roles if r not in seen]
         if missing:
             raise SpecError(f"role {missing[0]!r} is in no colocated set", key="sets")
+        if not job.placement_allowed(tuple(s.roles for s in self.sets)):
+            raise SpecError(f"framework {job.framework!r} keeps the reference model's weights "
+                            "in host memory and swaps them into the actor's model: 'ref' must "
+                            "be in the actor's set", key="sets")
         cluster = job.cluster
         total = cluster.total_gpus
         gpus_per_node = cluster.gpus_per_node

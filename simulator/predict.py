@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from profiles.datafile import SpecError
+from profiles.device import DTYPE_BYTES, HOST_PAGE_BYTES, DeviceProfile
+from profiles.framework import HostCopy
 from simulator.costs.generation import (
     generate,
     generation_weight_bytes,
@@ -17,9 +19,9 @@ from simulator.costs.generation import (
 )
 from simulator.costs.inference import forward_pass
 from simulator.costs.memory import GIB, MemoryBreakdown, does_not_fit_message
-from simulator.costs.training import optimizer_memory, train_step
+from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_step
 from simulator.costs.transfer import transfer_seconds
-from simulator.costs.transition import Scheme, TransitionCost, compare_schemes, weight_tensors
+from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.plan import Plan, RolePlan
 from simulator.specs.dataflow import CONTROLLER, Node
 from simulator.specs.job import JobSpec
@@ -127,34 +129,91 @@ def generation_lengths(job: JobSpec, node: Node, replicas: int) -> tuple[int, ..
     return replica_lengths(distribution, int(node_sequences(job, node)), replicas)
 
 
+def grad_bytes_per_param(job: JobSpec, par: ParallelConfig) -> int:
+    """Bytes per element of a trained role's gradient buffer: fp32 main gradients, or the
+    training dtype for a Megatron-style layout of a framework that reduces in it."""
+    if par.sharding == "fsdp" or job.framework_profile.training.grad_reduce_in_fp32:
+        return MAIN_GRAD_BYTES
+    return DTYPE_BYTES[job.workload.dtype]
+
+
 def role_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
     """A role's resident per-GPU state (weights; for trained roles also gradients and Adam
     states) and the gradient bytes that exist only while it trains (FSDP frees its gradients
-    after the optimizer step; Megatron keeps its contiguous fp32 gradient buffer)."""
+    after the optimizer step; Megatron keeps its contiguous gradient buffer). A reference the
+    framework keeps in host memory holds nothing on the GPU."""
+    if role == "ref" and job.reference_on_host:
+        return MemoryBreakdown(), 0.0
     state = optimizer_memory(job.model(role), par, value_head=role in VALUE_HEAD_ROLES,
                              trainable=role in job.dataflow.trained_roles,
-                             dtype=job.workload.dtype)
+                             dtype=job.workload.dtype, grad_bytes=grad_bytes_per_param(job, par))
     if par.sharding == "fsdp":
         return replace(state, grads=0.0), state.grads
     return state, 0.0
 
 
-def offload_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
+def host_copy_seconds(profile: DeviceProfile, how: HostCopy, nbytes: float,
+                      what: str) -> tuple[float, float]:
+    """Seconds to park ``nbytes`` per GPU in host memory the way ``how`` says, and to bring them
+    back: (out, back)."""
+    if how == "freed" or nbytes <= 0:
+        return 0.0, 0.0
+    link = profile.host_link
+    if link is None:
+        raise SpecError(f"the framework moves {what} to host memory, but device profile "
+                        f"{profile.name} has no host_link (copy rates to host memory)",
+                        key="host_link")
+    if how == "pinned_buffer":
+        return nbytes / link.pinned_bytes_per_s, nbytes / link.pinned_bytes_per_s
+    # new_pageable: every page of the new host memory is mapped on first touch.
+    faults = nbytes / HOST_PAGE_BYTES * link.page_fault_seconds
+    return nbytes / link.pageable_bytes_per_s + faults, nbytes / link.pageable_bytes_per_s
+
+
+def offload_copy_seconds(job: JobSpec, role: str,
+                         par: ParallelConfig) -> tuple[MemoryBreakdown, float, float]:
     """What the framework moves to host memory of a trained ``role`` while the rollout engine
-    runs on its GPUs, per GPU, and the seconds of moving it out and back (bytes at the copy
-    rate, plus a fixed cost per tensor and state kind)."""
+    runs on its GPUs, per GPU, and the seconds of moving it out and of bringing it back."""
     offload = job.framework_profile.offload
     if not offload.any or role not in job.dataflow.trained_roles:
-        return MemoryBreakdown(), 0.0
+        return MemoryBreakdown(), 0.0, 0.0
     state, _ = role_state(job, role, par)
     moved = MemoryBreakdown(params=state.params if offload.params else 0.0,
                             grads=state.grads if offload.grads else 0.0,
                             optimizer=state.optimizer if offload.optimizer else 0.0)
-    tensors = sum(weight_tensors(job.model(role)).values()) / (
-        par.pp if par.sharding != "fsdp" else 1)
-    kinds = offload.params + offload.grads + 3 * offload.optimizer  # master, m, v
-    one_way = moved.total / offload.bytes_per_s + tensors * kinds * offload.seconds_per_tensor
-    return moved, 2.0 * one_way
+    profile = job.cluster.profile()
+    out = back = 0.0
+    for nbytes, how, what in ((moved.params, offload.params_to, "parameters"),
+                              (moved.grads, offload.grads_to, "gradients"),
+                              (moved.optimizer, offload.optimizer_to, "optimizer states")):
+        one_out, one_back = host_copy_seconds(profile, how, nbytes, what)
+        out += one_out
+        back += one_back
+    return moved, out, back
+
+
+def offload_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
+    """What the framework moves to host memory of a trained ``role`` while the rollout engine
+    runs on its GPUs, per GPU, and the seconds of moving it out and back."""
+    moved, out, back = offload_copy_seconds(job, role, par)
+    return moved, out + back
+
+
+def reference_swap_seconds(job: JobSpec, par: ParallelConfig) -> float:
+    """The reference pass of a framework that keeps the reference in host memory: the actor's
+    weights are copied to host, the reference's copied in, and the actor's copied back, all
+    through pinned host memory (``tensor.to("cpu", non_blocking=True)`` allocates a pinned
+    destination, which PyTorch's caching host allocator reuses from one iteration to the
+    next). Three copies of the per-GPU weights over the host link."""
+    profile = job.cluster.profile()
+    model = job.model("ref")
+    weights = optimizer_memory(model, par, value_head=False, trainable=False,
+                               dtype=job.workload.dtype).params
+    link = profile.host_link
+    if link is None:
+        raise SpecError(f"the framework swaps the reference model in from host memory, but "
+                        f"device profile {profile.name} has no host_link", key="host_link")
+    return 3 * weights / link.pinned_bytes_per_s
 
 
 def extra_generation_weights(job: JobSpec, engine_weights: float,
@@ -179,21 +238,28 @@ def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: floa
     return min(engine, device)
 
 
-def generation_fixed_seconds(job: JobSpec, model: ModelSpec, gen: GenerationConfig) -> float:
-    """Per generation call: the host's fixed work per operation, and the rollout engine's sleep
-    and wake when the framework frees the KV cache between iterations, with the copy of its
+def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
+                                  gen: GenerationConfig) -> tuple[float, float]:
+    """Per generation call, (sleep, wake): the rollout engine's sleep after generating and wake
+    before it when the framework frees the KV cache between iterations, with the copy of its
     weights to host and back at sleep level 1."""
     rollout = job.framework_profile.rollout
-    seconds = job.cluster.profile().overheads.operation_seconds
     if not rollout.free_kv_cache:
-        return seconds
-    seconds += rollout.sleep_seconds + rollout.wake_seconds
+        return 0.0, 0.0
+    sleep, wake = rollout.sleep_seconds, rollout.wake_seconds
     weights = generation_weight_bytes(model, gen, job.workload.dtype)
     if rollout.weight_backup_bytes_per_s > 0:
-        seconds += weights / rollout.weight_backup_bytes_per_s
+        sleep += weights / rollout.weight_backup_bytes_per_s
     if rollout.weight_restore_bytes_per_s > 0:
-        seconds += weights / rollout.weight_restore_bytes_per_s
-    return seconds
+        wake += weights / rollout.weight_restore_bytes_per_s
+    return sleep, wake
+
+
+def generation_fixed_seconds(job: JobSpec, model: ModelSpec, gen: GenerationConfig) -> float:
+    """Per generation call: the host's fixed work per operation, and the rollout engine's sleep
+    and wake (``generation_sleep_wake_seconds``)."""
+    sleep, wake = generation_sleep_wake_seconds(job, model, gen)
+    return job.cluster.profile().overheads.operation_seconds + sleep + wake
 
 
 def controller_node(job: JobSpec, node: Node) -> NodeEstimate:
@@ -222,7 +288,8 @@ def host_slowdown(job: JobSpec, set_gpus: int) -> float:
 def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                set_resident_bytes: float = 0.0, resident: MemoryBreakdown | None = None,
                freed_grads: float = 0.0, set_offload: MemoryBreakdown | None = None,
-               set_offload_seconds: float = 0.0) -> NodeEstimate:
+               set_offload_seconds: float = 0.0,
+               set_offload_out_seconds: float = 0.0) -> NodeEstimate:
     """Predict one node of a model role laid out as ``role_plan``.
 
     Generation needs the colocated set's resident bytes per GPU (``set_resident_bytes``, all
@@ -260,10 +327,13 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         budget = kv_budget_bytes(job, gen, engine_weights=engine_weights, workspace=workspace,
                                  resident_during=set_resident_bytes - offloaded.total,
                                  extra_weights=extra_weights)
+        rollout = job.framework_profile.rollout
         cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                         kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
-                        cuda_graphs=job.framework_profile.rollout.cuda_graphs)
-        cycle = generation_fixed_seconds(job, model, gen)
+                        cuda_graphs=rollout.cuda_graphs,
+                        host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
+        sleep, wake = generation_sleep_wake_seconds(job, model, gen)
+        cycle = profile.overheads.operation_seconds + sleep + wake
         slowdown = host_slowdown(job, par.world_size)
         return NodeEstimate(
             name=node.name, role=role, operation="generate", location=location,
@@ -275,7 +345,10 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
             detail={"prefill_seconds": cost.prefill_seconds,
                     "decode_seconds": cost.decode_seconds,
                     "fixed_seconds": cycle,
+                    "sleep_seconds": sleep,
+                    "wake_seconds": wake,
                     "offload_seconds": set_offload_seconds,
+                    "offload_out_seconds": set_offload_out_seconds if first else 0.0,
                     "decode_steps": float(cost.decode_steps),
                     "max_running": float(cost.max_running),
                     "kv_capacity_tokens": cost.kv_capacity_tokens,
@@ -295,23 +368,30 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                 gpus_per_node=gpn).activations_bytes
         fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
                  + profile.overheads.operation_seconds)
+        swap = reference_swap_seconds(job, par) if (
+            role == "ref" and job.reference_on_host) else 0.0
+        # A swapped-in reference takes the place of the actor's weights (which wait in host
+        # memory): the set's resident state already counts one set of weights.
         return NodeEstimate(
             name=node.name, role=role, operation="infer", location=location,
-            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size),
+            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap,
             sequences=sequences, tokens=tokens,
             transient=MemoryBreakdown(activations=activations),
-            detail={"micro_batches": float(cost.micro_batches)})
+            detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
+                    "swap_seconds": swap})
     steps = work.ppo_epochs * work.mini_batches_per_epoch
     batch = math.ceil(sequences / work.mini_batches_per_epoch)
     if node.pretrain_loss:
         batch *= 2  # as many pretraining (ptx) sequences as RL sequences
+    grad_bytes = grad_bytes_per_param(job, par)
     step = train_step(model, profile, par, global_batch=batch, seq_len=mean_tokens,
-                      dtype=dtype, value_head=value_head, gpus_per_node=gpn)
+                      dtype=dtype, value_head=value_head, gpus_per_node=gpn,
+                      grad_bytes=grad_bytes)
     activations = step.memory.activations
     if max_tokens != mean_tokens:
         activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,
-                                 dtype=dtype, value_head=value_head,
-                                 gpus_per_node=gpn).memory.activations
+                                 dtype=dtype, value_head=value_head, gpus_per_node=gpn,
+                                 grad_bytes=grad_bytes).memory.activations
     fixed_costs = job.framework_profile.fixed_costs
     step_seconds = (step.seconds + fixed_costs.optimizer_step_seconds
                     + fixed_costs.micro_batch_seconds * step.micro_batches)
@@ -370,6 +450,8 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     set_offload = [sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
                    for s in plan.sets]
     set_offload_seconds = [sum(offloads[r][1] for r in s.roles) for s in plan.sets]
+    set_offload_out_seconds = [sum(offload_copy_seconds(job, r, plan.roles[r].parallel)[1]
+                                   for r in s.roles) for s in plan.sets]
 
     nodes: dict[str, NodeEstimate] = {}
     for node in dataflow.nodes:
@@ -382,7 +464,8 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
                               resident=resident[node.role],
                               freed_grads=freed_grads[node.role],
                               set_offload=set_offload[location],
-                              set_offload_seconds=set_offload_seconds[location])
+                              set_offload_seconds=set_offload_seconds[location],
+                              set_offload_out_seconds=set_offload_out_seconds[location])
         if not estimate.feasible:
             s = plan.sets[location]
             reasons.append(f"{node.name}: {estimate.reason} (set {location}: {s.label()} on "

@@ -116,9 +116,16 @@ def test_validate_meets_the_korthikanti_target_and_every_gate() -> None:
         assert group["mean_abs_error_pct"] <= group["gate_mean_abs_error_pct"], group["group"]
         assert group["max_abs_error_pct"] <= group["gate_max_abs_error_pct"], group["group"]
         assert group["within_gate"] is True
-        cases = [c for c in out["cases"] if c["group"] == group["group"]]
+        cases = [c for c in out["cases"] if c["group"] == group["group"] and not c["stage"]]
+        assert group["cases"] == len(cases)
         assert group["bias_pct"] == pytest.approx(
             sum(c["error_pct"] for c in cases) / len(cases))
+    # Whole RLHF steps with the source's stage timers beside them (not in the statistics).
+    stages = [c for c in out["cases"] if c["group"] == "nemo_rl_v03_grpo_stages" and c["stage"]]
+    assert {c["stage"] for c in stages} == {"policy_training", "refit", "generation",
+                                            "logprobs"}
+    v03 = next(g for g in out["groups"] if g["group"] == "nemo_rl_v03_grpo_stages")
+    assert v03["goal_median_abs_error_pct"] == 15 and v03["meets_goal"] in (True, False)
     trt = next(g for g in out["groups"] if g["group"] == "tensorrt_llm_a100_fp16")
     assert any("per GPU" in a for a in trt["assumptions"])
     assert trt["bias_direction"] == "too fast"  # higher throughput than measured

@@ -140,3 +140,114 @@ def test_search_equals_brute_force_under_each_framework(framework: str) -> None:
     assert found.sort_key() == reference.sort_key()
     again = simulate(job, found.to_plan(job))
     assert again.iteration_seconds == pytest.approx(found.iteration_seconds)
+
+
+def grpo_8b(framework: str, **parallel: dict) -> JobSpec:
+    return job_from_mapping({
+        "algorithm": "grpo", "framework": framework,
+        "models": {"actor": "llama3.1-8b", "ref": "llama3.1-8b", "reward": "rule"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 32,
+                     "prompt_length": 127, "response_length": 795,
+                     "mini_batches_per_epoch": 4, "train_micro_batch_size": 1},
+        "parallel": parallel or {
+            "actor": {"tp": 1, "pp": 1, "sharding": "optimizer", "generation_tp": 1},
+            "ref": {"tp": 1, "pp": 1}}})
+
+
+def test_offload_prices_each_state_the_way_the_framework_parks_it() -> None:
+    """NeMo-RL drops the gradient buffer, copies parameters into a kept pinned buffer and
+    optimizer states into new pageable memory (one page fault per 4 KiB first touched)."""
+    from simulator.predict import offload_copy_seconds, role_state
+
+    job = grpo_8b("nemo-rl")
+    par = colocate_plan(job).roles["actor"].parallel
+    state, _ = role_state(job, "actor", par)
+    moved, out, back = offload_copy_seconds(job, "actor", par)
+    assert moved.params == state.params and moved.optimizer == state.optimizer
+    pinned, pageable, fault = 55e9, 16.1e9, 2.03e-6  # h100-80gb.yaml host_link
+    assert out == pytest.approx(state.params / pinned + state.optimizer / pageable
+                                + state.optimizer / 4096 * fault)
+    assert back == pytest.approx(state.params / pinned + state.optimizer / pageable)
+    # Megatron-style gradients in bf16 (grad_reduce_in_fp32: false): half verl's fp32 buffer.
+    verl_state, _ = role_state(on(job, "verl"), "actor", par)
+    assert state.grads == pytest.approx(verl_state.grads / 2)
+
+
+def test_a_device_without_host_link_cannot_price_an_offload() -> None:
+    job = job_from_mapping({**grpo_8b("nemo-rl").to_value(),
+                            "cluster": {"nodes": 1, "gpus_per_node": 2, "device": "cpu-2core"},
+                            "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
+                            "parallel": {}})
+    with pytest.raises(SpecError, match="no host_link"):
+        estimate_plan(job, colocate_plan(job))
+
+
+def test_a_reference_kept_in_host_memory_holds_no_gpu_memory_and_swaps_in() -> None:
+    nemo, verl = grpo_8b("nemo-rl"), on(grpo_8b("nemo-rl"), "verl")
+    assert nemo.reference_on_host and not verl.reference_on_host
+    plan = colocate_plan(nemo)
+    on_host, resident = estimate_plan(nemo, plan), estimate_plan(verl, plan)
+    ref = plan.roles["ref"].parallel
+    weights = MODEL_PRESETS["llama3.1-8b"].param_count * 2  # bf16, tp 1, pp 1
+    assert on_host.nodes["ref.infer"].detail["swap_seconds"] == pytest.approx(
+        3 * weights / 55e9, rel=1e-3)
+    assert resident.nodes["ref.infer"].detail["swap_seconds"] == 0
+    assert (resident.memory[0].resident.params - on_host.memory[0].resident.params
+            == pytest.approx(weights, rel=1e-3))
+    assert ref.tp == plan.roles["actor"].parallel.tp
+
+
+def test_a_reference_on_host_must_share_the_actors_set() -> None:
+    from planner.planning import standard_placement
+    from planner.search import allowed_placements
+    from simulator.plan import ColocatedSet
+
+    job = grpo_8b("nemo-rl")
+    assert all(any({"actor", "ref"} <= set(g) for g in p) for p in allowed_placements(job))
+    assert len(allowed_placements(job)) < len(allowed_placements(on(job, "verl")))
+    assert standard_placement(job, "standalone") == (("actor", "ref"),)
+    plan = colocate_plan(job)
+    apart = replace(plan, sets=(ColocatedSet(roles=("actor",), gpus=4, first_gpu=0),
+                                ColocatedSet(roles=("ref",), gpus=4, first_gpu=4)))
+    with pytest.raises(SpecError, match="'ref' must be in the actor's set"):
+        apart.validate(job)
+    with pytest.raises(SpecError, match="must share the actor's set"):
+        allowed_placements(job, ((("actor",), ("ref",)),))
+
+
+def test_decode_host_work_per_sequence_adds_to_every_step() -> None:
+    from profiles.device import load_profile
+
+    h100 = load_profile("h100-80gb")
+    step = decode_step_model(MODEL_PRESETS["llama3.1-8b"], GenerationConfig(), "bf16", 8)
+    plain = step.step_seconds(h100, "bf16", 256, 100_000, cuda_graphs=True)
+    serial = step.step_seconds(h100, "bf16", 256, 100_000, cuda_graphs=True,
+                               host_seconds_per_sequence=2.15e-5)
+    assert serial - plain == pytest.approx(256 * 2.15e-5)
+    old, new = load_framework("nemo-rl-0.5"), load_framework("nemo-rl")
+    assert old.rollout.decode_host_seconds_per_sequence == pytest.approx(2.15e-5)
+    assert new.rollout.decode_host_seconds_per_sequence == 0  # vLLM 0.20 schedules async
+    job = grpo_8b("nemo-rl")
+    plan = colocate_plan(job)
+    assert (estimate_plan(on(job, "nemo-rl-0.5"), plan).nodes["actor.generate"].seconds
+            > estimate_plan(job, plan).nodes["actor.generate"].seconds)
+
+
+def test_a_framework_profile_can_build_on_another(tmp_path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("base: verl\nname: mine\nrollout:\n  max_num_seqs: 64\n")
+    profile = load_framework(str(mine))
+    verl = load_framework("verl")
+    assert profile.rollout.max_num_seqs == 64
+    assert profile.rollout.gpu_memory_utilization == verl.rollout.gpu_memory_utilization
+    assert profile.training == verl.training
+    assert load_framework("nemo-rl-0.5").training == load_framework("nemo-rl").training
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\nname: loop\n")
+    with pytest.raises(SpecError, match="name each other as base"):
+        load_framework(str(loop))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("base: verl\nname: typo\nrollout:\n  max_num_seq: 64\n")
+    with pytest.raises(SpecError, match=r"rollout\.max_num_seq: unknown key"):
+        load_framework(str(typo))

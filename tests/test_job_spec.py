@@ -109,6 +109,30 @@ def test_length_distributions() -> None:
         parse_lengths({"distribution": "lognormal", "median": 400}, "r")
 
 
+def test_max_entropy_lengths_keep_the_mean_and_weigh_towards_the_cap_as_the_mean_rises(
+) -> None:
+    """Only the mean and the cap known: the truncated exponential of that mean (Jaynes)."""
+    low = parse_lengths({"distribution": "max_entropy", "mean": 795, "max": 3969}, "r")
+    sample = low.sample(2048)
+    assert sum(sample) / len(sample) == pytest.approx(795, rel=0.005)
+    assert low.mean_tokens() == 795
+    assert sorted(sample) == list(sample) and sample[-1] <= 3969
+    # Falling density: the median sits below the mean, the longest of 2048 near the cap.
+    assert sample[1024] < 795 and sample[-1] > 3800
+    high = parse_lengths({"distribution": "max_entropy", "mean": 3283, "max": 3992}, "r")
+    tail = high.sample(2048)
+    assert sum(tail) / len(tail) == pytest.approx(3283, rel=0.005)
+    assert tail[1024] > 3283  # rising density: lengths pile up against the cap
+    middle = parse_lengths({"distribution": "max_entropy", "mean": 500, "min": 1, "max": 999},
+                           "r")
+    assert middle.sample(5) == pytest.approx((100, 300, 500, 700, 899), abs=1)  # uniform
+    assert low.to_value() == {"distribution": "max_entropy", "max": 3969, "mean": 795}
+    with pytest.raises(SpecError, match="mean: need min <= mean <= max"):
+        parse_lengths({"distribution": "max_entropy", "mean": 5000, "max": 4096}, "r")
+    with pytest.raises(SpecError, match="max_entropy needs mean and max"):
+        parse_lengths({"distribution": "max_entropy", "mean": 500}, "r")
+
+
 def test_empirical_lengths_from_csv(tmp_path: Path) -> None:
     csv = write(tmp_path / "lengths.csv", "length,count\n100,3\n1000,1\n")
     dist = parse_lengths({"distribution": "empirical", "csv": "lengths.csv"}, "r", tmp_path)

@@ -63,7 +63,8 @@ class DecodeStepModel:
     tp_crosses_nodes: bool
 
     def step_seconds(self, profile: DeviceProfile, dtype: str, batch: float,
-                     kv_tokens: float, cuda_graphs: bool = False) -> float:
+                     kv_tokens: float, cuda_graphs: bool = False,
+                     host_seconds_per_sequence: float = 0.0) -> float:
         bytes_read = self.weight_bytes_per_gpu + kv_tokens * self.kv_bytes_per_token_per_gpu
         memory = bytes_read / (profile.memory_bandwidth_bytes_per_s
                                * profile.efficiency.memory.at(bytes_read))
@@ -86,8 +87,12 @@ class DecodeStepModel:
         # The fitted decode correction scales the device work only (not collectives, which
         # carry their own correction, nor the fixed per-kernel cost).
         stage = max(memory, compute) * profile.correction("decode") + comm + launches
+        # An engine that does not schedule asynchronously prepares the next step on the host
+        # (scheduling, input tensors, sampled-token output) while the GPU waits: host work per
+        # running sequence, serialised with the step.
+        host = batch * host_seconds_per_sequence
         # Without micro-batching across stages, a token passes every pipeline stage in turn.
-        return self.pp * stage + profile.overheads.decode_step_seconds
+        return self.pp * stage + host + profile.overheads.decode_step_seconds
 
 
 @lru_cache(maxsize=4096)
@@ -183,7 +188,8 @@ def running_cap(gen: GenerationConfig, *, sequences: int, kv_capacity_tokens: fl
 @lru_cache(maxsize=65536)
 def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
            lengths: tuple[int, ...], prompt_len: int, cap: int, dtype: str = "bf16",
-           gpus_per_node: int = 8, cuda_graphs: bool = False) -> tuple[float, int, float]:
+           gpus_per_node: int = 8, cuda_graphs: bool = False,
+           host_seconds_per_sequence: float = 0.0) -> tuple[float, int, float]:
     """Continuous-batching decode of ``lengths`` (arrival order) with at most ``cap`` running:
     (seconds, decode steps, peak KV tokens). Cached on ``cap``, not on the memory budget, so
     every budget that allows the same running batch shares one evaluation."""
@@ -206,7 +212,7 @@ def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
             middle = step + (count - 1) / 2
             kv_middle = batch * (prompt_len + 1 + middle) - admitted_sum
             seconds += count * step_model.step_seconds(profile, dtype, batch, kv_middle,
-                                                       cuda_graphs)
+                                                       cuda_graphs, host_seconds_per_sequence)
             kv_end = batch * (prompt_len + finish) - admitted_sum
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
@@ -223,7 +229,8 @@ def decode(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
 def generate(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
              lengths: tuple[int, ...], prompt_len: int, kv_budget_bytes: float,
              dtype: str = "bf16", gpus_per_node: int = 8,
-             cuda_graphs: bool = False) -> GenerationCost:
+             cuda_graphs: bool = False,
+             host_seconds_per_sequence: float = 0.0) -> GenerationCost:
     """One replica decodes sequences with response ``lengths`` (in arrival order).
 
     ``kv_budget_bytes`` is the per-GPU memory left for the KV cache after the weights, the
@@ -254,7 +261,8 @@ def generate(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
                       mean_response=generated / n)
     decode_seconds, steps, peak_kv_tokens = decode(
         model, profile, gen, lengths=lengths, prompt_len=prompt_len, cap=cap, dtype=dtype,
-        gpus_per_node=gpus_per_node, cuda_graphs=cuda_graphs)
+        gpus_per_node=gpus_per_node, cuda_graphs=cuda_graphs,
+        host_seconds_per_sequence=host_seconds_per_sequence)
     prefill = prefill_seconds(model, profile, gen, sequences=n, prompt_len=prompt_len,
                               dtype=dtype, gpus_per_node=gpus_per_node)
     memory = MemoryBreakdown(params=weights,

@@ -78,8 +78,12 @@ def fsdp_local_param_count(model: ModelSpec, par: ParallelConfig, *, value_head:
 
 
 def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
-                     trainable: bool, dtype: str) -> MemoryBreakdown:
-    """Weights, gradients and optimizer states on one GPU (the resident part of a model)."""
+                     trainable: bool, dtype: str,
+                     grad_bytes: int = MAIN_GRAD_BYTES) -> MemoryBreakdown:
+    """Weights, gradients and optimizer states on one GPU (the resident part of a model).
+    ``grad_bytes``: bytes per element of a Megatron-style layout's gradient buffer (fp32 main
+    gradients by default; the training dtype when the framework reduces in it). FSDP keeps
+    fp32 gradient shards."""
     b = DTYPE_BYTES[dtype]
     if par.sharding == "fsdp":
         local = fsdp_local_param_count(model, par, value_head=value_head)
@@ -94,7 +98,7 @@ def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
     if not trainable:
         return MemoryBreakdown(params=local * b)
     optimizer_shards = par.dp if par.sharding == "optimizer" else 1
-    return MemoryBreakdown(params=local * b, grads=local * MAIN_GRAD_BYTES,
+    return MemoryBreakdown(params=local * b, grads=local * grad_bytes,
                            optimizer=local * optimizer_state_bytes_per_param(dtype)
                            / optimizer_shards)
 
@@ -118,8 +122,10 @@ def model_flops_per_sequence(model: ModelSpec, seq_len: float, *, value_head: bo
 def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                global_batch: int, seq_len: float, dtype: str = "bf16",
                value_head: bool = False, gpus_per_node: int = 8,
-               attention: AttentionImpl = "flash") -> TrainingCost:
-    """One optimizer step on ``global_batch`` sequences of ``seq_len`` tokens."""
+               attention: AttentionImpl = "flash",
+               grad_bytes: int = MAIN_GRAD_BYTES) -> TrainingCost:
+    """One optimizer step on ``global_batch`` sequences of ``seq_len`` tokens
+    (``grad_bytes``: as in ``optimizer_memory``)."""
     b = DTYPE_BYTES[dtype]
     mbs = par.micro_batch_size
     micro_batches = max(1, math.ceil(global_batch / (par.dp * mbs)))
@@ -207,14 +213,14 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     dp_comm = 0.0
     if par.dp > 1 and par.sharding != "fsdp":
         dp_span = data_parallel_span(par, gpus_per_node)
-        grad_bytes = local_params * MAIN_GRAD_BYTES
+        reduced_bytes = local_params * grad_bytes
         if par.sharding == "optimizer":
-            dp_comm = (reduce_scatter_seconds(profile, grad_bytes, par.dp, span=dp_span,
+            dp_comm = (reduce_scatter_seconds(profile, reduced_bytes, par.dp, span=dp_span,
                                               correction=TRAIN)
                        + all_gather_seconds(profile, local_params * b, par.dp, span=dp_span,
                                             correction=TRAIN))
         else:
-            dp_comm = all_reduce_seconds(profile, grad_bytes, par.dp, span=dp_span,
+            dp_comm = all_reduce_seconds(profile, reduced_bytes, par.dp, span=dp_span,
                                          correction=TRAIN)
         if par.overlap_grad_reduce and profile.kind == "gpu":
             window = layers_per_stage * (backward + recompute_extra)
@@ -222,7 +228,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     if par.pp > 1 and model.tied_embeddings and not value_head:
         # Tied embedding gradients are all-reduced between the first and last stage.
         dp_comm += all_reduce_seconds(profile, model.vocab * model.hidden / par.tp
-                                      * MAIN_GRAD_BYTES, 2, par.world_size > gpus_per_node)
+                                      * grad_bytes, 2, par.world_size > gpus_per_node)
 
     optimizer_params = local_params / (par.dp if par.sharding in ("optimizer", "fsdp") else 1)
     if par.sharding == "fsdp":
@@ -234,7 +240,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                + profile.overheads.iteration_seconds)
 
     # Memory: resident states plus the activations in flight on the most loaded stage.
-    resident = optimizer_memory(model, par, value_head=value_head, trainable=True, dtype=dtype)
+    resident = optimizer_memory(model, par, value_head=value_head, trainable=True, dtype=dtype,
+                                grad_bytes=grad_bytes)
     in_flight = min(par.pp, micro_batches)
     interleave = 1 + (par.pp - 1) / (par.pp * par.vpp) if par.vpp > 1 else 1.0
     first_stage_acts = layers_per_stage * layer.activation_bytes * in_flight * interleave

@@ -257,6 +257,19 @@ class JobSpec:
         return tuple(r for r in self.dataflow.roles if self.models.get(r) != RULE)
 
     @property
+    def reference_on_host(self) -> bool:
+        """The framework keeps the reference model's weights in host memory and swaps them into
+        the actor's model for the reference pass, so the reference shares the actor's GPUs."""
+        return (self.framework_profile.training.reference_weights == "host_swap"
+                and "ref" in self.gpu_roles and "actor" in self.gpu_roles)
+
+    def placement_allowed(self, groups: tuple[tuple[str, ...], ...]) -> bool:
+        """Whether the framework can run a placement (a partition of the GPU roles)."""
+        if not self.reference_on_host:
+            return True
+        return any("ref" in g and "actor" in g for g in groups)
+
+    @property
     def rule_roles(self) -> tuple[str, ...]:
         return tuple(r for r in self.dataflow.roles if self.models.get(r) == RULE)
 

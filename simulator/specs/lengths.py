@@ -1,4 +1,5 @@
-"""Response-length distributions: fixed, uniform, clipped normal, clipped lognormal, empirical.
+"""Response-length distributions: fixed, uniform, clipped normal, clipped lognormal, maximum
+entropy (only the mean and the cap known), empirical.
 
 Generation time is decided by the longest responses, so the simulator works with deterministic
 stratified samples (quantiles at (i + 0.5) / n) rather than random draws: the same job always
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from profiles.datafile import SpecError, from_mapping, require
 
-Kind = Literal["fixed", "uniform", "normal", "lognormal", "empirical"]
+Kind = Literal["fixed", "uniform", "normal", "lognormal", "max_entropy", "empirical"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -26,15 +27,17 @@ class LengthDistribution:
     """A distribution of token counts, always bounded by ``max`` (responses stop there)."""
 
     distribution: Kind = "fixed"
-    """fixed | uniform | normal (clipped) | lognormal (clipped) | empirical."""
+    """fixed | uniform | normal (clipped) | lognormal (clipped) | max_entropy | empirical."""
     value: int | None = None
     """fixed: the length in tokens."""
     min: int | None = None
-    """uniform / normal: smallest length in tokens (normal: clip bound, default 1)."""
+    """uniform / normal / max_entropy: smallest length in tokens (normal, max_entropy: default
+    1)."""
     max: int | None = None
-    """uniform / normal / lognormal: largest length in tokens (lengths are clipped here)."""
+    """uniform / normal / lognormal / max_entropy: largest length in tokens (lengths are clipped
+    here)."""
     mean: float | None = None
-    """normal: mean in tokens."""
+    """normal / max_entropy: mean in tokens."""
     std: float | None = None
     """normal: standard deviation in tokens."""
     median: float | None = None
@@ -72,6 +75,14 @@ class LengthDistribution:
             require(self.median > 0, "must be > 0", "median")
             require(self.sigma >= 0, "must be >= 0", "sigma")
             require(self.max > 0, "must be a positive integer", "max")
+        elif kind == "max_entropy":
+            require(self.mean is not None and self.max is not None,
+                    "max_entropy needs mean and max", "mean")
+            require(self.max > 0, "must be a positive integer", "max")
+            low = self.min if self.min is not None else 1
+            require(0 < low <= self.max, f"need 0 < min <= max, got {low}, {self.max}", "min")
+            require(low <= self.mean <= self.max,
+                    f"need min <= mean <= max, got {low}, {self.mean}, {self.max}", "mean")
         elif kind == "empirical":
             require(bool(self.lengths), "empirical needs 'csv' (a file of lengths)", "csv")
             require(len(self.lengths) == len(self.weights), "lengths and weights differ",
@@ -111,6 +122,11 @@ class LengthDistribution:
             z = NormalDist().inv_cdf(min(max(q, 1e-12), 1 - 1e-12))
             x = math.exp(math.log(self.median) + self.sigma * z)  # type: ignore[arg-type]
             return float(min(max(x, 1.0), self.max))  # type: ignore[type-var]
+        if kind == "max_entropy":
+            low = float(self.min if self.min is not None else 1)
+            return _exponential_quantile(q, low, float(self.max),  # type: ignore[arg-type]
+                                         _max_entropy_rate(low, float(self.max),  # type: ignore[arg-type]
+                                                           float(self.mean)))  # type: ignore[arg-type]
         cumulative = _cumulative(self.weights)
         i = bisect.bisect_left(cumulative, q)
         return float(self.lengths[min(i, len(self.lengths) - 1)])
@@ -121,6 +137,8 @@ class LengthDistribution:
             return float(self.value)  # type: ignore[arg-type]
         if self.distribution == "empirical":
             return sum(n * w for n, w in zip(self.lengths, self.weights, strict=True))
+        if self.distribution == "max_entropy":
+            return float(self.mean)  # type: ignore[arg-type]
         return sum(self.sample(512)) / 512
 
     def sample(self, count: int) -> tuple[int, ...]:
@@ -141,6 +159,46 @@ class LengthDistribution:
     @classmethod
     def fixed(cls, tokens: int) -> LengthDistribution:
         return cls(distribution="fixed", value=tokens)
+
+
+def _exponential_mean(low: float, high: float, rate: float) -> float:
+    """Mean of the density proportional to exp(-rate * x) on [low, high]."""
+    width = high - low
+    if abs(rate * width) < 1e-9:
+        return (low + high) / 2
+    # mean - low = 1/rate - width / (exp(rate * width) - 1)
+    return low + 1.0 / rate - width / math.expm1(rate * width)
+
+
+@lru_cache(maxsize=256)
+def _max_entropy_rate(low: float, high: float, mean: float) -> float:
+    """The rate of the maximum-entropy density on [low, high] with the given mean: among all
+    distributions on a bounded interval with a known mean, the truncated exponential
+    exp(-rate * x) assumes the least (Jaynes 1957, Phys. Rev. 106:620). Positive when the mean
+    is below the midpoint (lengths fall off towards the cap), negative above it (lengths pile up
+    against the cap). Found by bisection: the mean decreases monotonically in the rate."""
+    width = high - low
+    if width <= 0:
+        return 0.0
+    fraction = (mean - low) / width
+    # exp(500) is still a float; a mean within 0.2% of a bound is that bound's spike.
+    lo, hi = -500.0 / width, 500.0 / width
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if (_exponential_mean(0.0, width, mid) / width) > fraction:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _exponential_quantile(q: float, low: float, high: float, rate: float) -> float:
+    """Inverse CDF of the density proportional to exp(-rate * x) on [low, high]."""
+    width = high - low
+    if abs(rate * width) < 1e-9:
+        return low + q * width
+    # F(x) = (1 - exp(-rate (x - low))) / (1 - exp(-rate width))
+    return low - math.log1p(-q * -math.expm1(-rate * width)) / rate
 
 
 @lru_cache(maxsize=256)
