@@ -17,6 +17,7 @@ from simulator.costs.transformer import (
     head_forward_seconds,
     layer_cost,
     stage_param_count,
+    vocab_parallel_seconds,
 )
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig
@@ -52,11 +53,14 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     # The fitted compute correction scales kernels only, not collectives or per-call costs.
     compute_scale = profile.correction("infer_compute")
     forward = layer.forward_seconds * compute_scale
-    stage = model.layers / par.pp * (forward + layer.tp_forward_seconds)
+    # The pass runs in the training engine: its collectives are the engine's.
+    tp_comm = layer.tp_training_forward_seconds
+    stage = model.layers / par.pp * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
-                                    par.dp, span=data_parallel_span(par, gpus_per_node))
-        per_layer_compute = forward + layer.tp_forward_seconds
+                                    par.dp, span=data_parallel_span(par, gpus_per_node),
+                                    correction="train_collective")
+        per_layer_compute = forward + tp_comm
         overlap = profile.kind == "gpu"  # on a CPU the gathers compete for the same cores
         stage += (model.layers * max(0.0, gather - per_layer_compute) + gather if overlap
                   else model.layers * gather)
@@ -64,6 +68,17 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     first = embedding_seconds(model, profile, tokens=tokens, dtype=dtype) * compute_scale
     last = head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
                                 value_head=value_head, loss=True) * compute_scale
+    vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
+                                        value_head=value_head,
+                                        sequence_parallel=par.sequence_parallel,
+                                        tp_crosses_nodes=tp_cross)
+    if par.pp == 1:
+        last += vocab_comm
+    else:
+        # The embedding's collective on the first stage, the head's on the last: each stage's
+        # own (split evenly; both are small).
+        first += vocab_comm / 2
+        last += vocab_comm / 2
     if par.pp == 1:
         seconds = micro_batches * (stage + first + last)
     else:

@@ -27,6 +27,7 @@ from simulator.costs.transformer import (
     head_forward_seconds,
     layer_cost,
     stage_param_count,
+    vocab_parallel_seconds,
 )
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig
@@ -155,6 +156,14 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         * compute_scale
     last_extra = 3 * head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
                                           value_head=value_head, loss=True) * compute_scale
+    # The vocabulary-split embedding and log-softmax collectives of the forward pass (their
+    # backward needs none).
+    vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
+                                        value_head=value_head,
+                                        sequence_parallel=par.sequence_parallel,
+                                        tp_crosses_nodes=tp_cross)
+    first_extra += vocab_comm / (2 if par.pp > 1 else 1)
+    last_extra += vocab_comm / 2 if par.pp > 1 else 0.0
     if par.pp == 1:
         first_extra += last_extra
         last_extra = 0.0

@@ -47,7 +47,8 @@ class LayerCost:
     tp_backward_seconds: float
     """Tensor-parallel communication in the backward pass (not overlapped)."""
     tp_training_forward_seconds: float
-    """The forward's tensor-parallel communication inside a training step."""
+    """The forward's tensor-parallel communication inside the training engine (a training
+    step, or an inference pass of the same engine)."""
     activation_bytes: float
     """Activations this layer keeps for the backward pass, given the recompute mode."""
     input_bytes: float
@@ -133,9 +134,9 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         return 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes,
                                       correction=correction)
 
-    # The training engine's collectives (forward and backward, under autograd and DTensor)
-    # carry the ``train_collective`` correction; forward-only passes (inference, prefill)
-    # issue them as plain collectives (``collective``).
+    # The training engine's collectives (its training steps and its inference passes, under
+    # autograd, DTensor or Megatron) carry the ``train_collective`` correction; the generation
+    # engine's (prefill, decode) are plain collectives (``collective``).
     tp_fwd = tp_fwd_training = tp_bwd = 0.0
     if tp > 1:
         tp_fwd = tp_comm("collective")
@@ -185,6 +186,26 @@ def head_forward_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: fl
     if loss and not value_head:
         # Cross-entropy / log-softmax in fp32: read logits, write probabilities, a few passes.
         seconds += memory_seconds(profile, 3 * 4 * tokens * width, kernels=3)
+    return seconds
+
+
+def vocab_parallel_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
+                           dtype: str, value_head: bool, sequence_parallel: bool,
+                           tp_crosses_nodes: bool = False) -> float:
+    """Tensor-parallel collectives of the vocabulary-split layers in one forward pass of the
+    training engine: the embedding's partial sums (all-reduce, or reduce-scatter under
+    sequence parallelism) and, for a language-model head, the log-softmax over the split
+    vocabulary (all-reduces of the row maxima, the sums of exponentials and the target
+    token's logit, fp32 per token) as Megatron's vocab-parallel cross-entropy and DTensor's
+    loss_parallel do."""
+    if tp <= 1:
+        return 0.0
+    hidden = tokens * model.hidden * DTYPE_BYTES[dtype]
+    seconds = (reduce_scatter_seconds if sequence_parallel else all_reduce_seconds)(
+        profile, hidden, tp, tp_crosses_nodes, correction="train_collective")
+    if not value_head:
+        seconds += 3 * all_reduce_seconds(profile, tokens * 4, tp, tp_crosses_nodes,
+                                          correction="train_collective")
     return seconds
 
 
