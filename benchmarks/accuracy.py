@@ -100,10 +100,13 @@ def run_name(plan_name: str, repeat: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "accuracy")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--skip", type=int, default=2,
+    # 20 iterations of which the first 4 warm up (allocator, caches, Ray's first calls), and 5
+    # runs of each plan: on this shared 2-core machine one plan's runs spread up to 35%, and a
+    # median of 5 medians of 16 iterations is what holds still from one invocation to the next.
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=4,
                         help="leading iterations of each run left out (start-up)")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="runs per plan, in interleaved rounds; a plan's time is the "
                              "median over its runs of each run's median iteration")
     parser.add_argument("--reuse", action="store_true", help="use runs already in --out")
