@@ -42,6 +42,10 @@ class Batch:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
 
+    def get(self, name: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The column ``name``, or ``default`` when the batch has none."""
+        return self.tensors.get(name, default)
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

@@ -191,13 +191,16 @@ def _nbytes(payload: Any) -> int:
 
 
 def count_tokens(batch: Batch) -> int:
-    """Real tokens of a batch: prompts plus unpadded responses."""
+    """Real tokens of a batch: prompts without their left padding plus unpadded responses."""
+    if "prompt_mask" in batch:
+        prompt = int(batch["prompt_mask"].sum())
+    elif "prompts" in batch:
+        prompt = int(batch["prompts"].numel())
+    else:
+        prompt = len(batch) * int(batch.meta.get("prompt_length", 0))
     if "response_mask" in batch:
-        prompt = int(batch.meta.get("prompt_length", 0))
-        return len(batch) * prompt + int(batch["response_mask"].sum())
-    if "prompts" in batch:
-        return int(batch["prompts"].numel())
-    return 0
+        return prompt + int(batch["response_mask"].sum())
+    return prompt if "prompts" in batch or "prompt_mask" in batch else 0
 
 
 def _merge(kind: Protocol) -> Callable[[list[Any]], Any]:

@@ -20,7 +20,7 @@ from executor import algorithms as rl
 from executor.batch import Batch
 from executor.controller import CallRecord, Pending, RoleHandle
 from executor.reward_function import score_texts
-from executor.task import EOS, SortDigits
+from executor.task import SortDigits
 from simulator.predict import CONTROLLER_LOCATION
 
 
@@ -29,7 +29,8 @@ class Context:
     """What a driver needs: role handles, the task, the knobs and a place for records."""
 
     handles: dict[str, RoleHandle]
-    task: SortDigits
+    task: SortDigits | Any
+    """The built-in task, or the user's data (``executor.data.DatasetTask``)."""
     rl: rl.RLConfig
     prompts_per_iteration: int
     samples_per_prompt: int
@@ -72,25 +73,29 @@ def _scores(ctx: Context, batch: Batch, node: str = "reward.infer") -> tuple[Pen
     pending = ctx.reward.scores(batch, node=node) if ctx.reward_from_model else None
 
     def finish() -> Batch:
-        rule = ctx.task.score(batch["prompts"], batch["responses"])
+        # The user's data has no rule of its own: its "rule score" is the reward itself.
+        rule = ctx.task.score(batch["prompts"], batch["responses"]) if ctx.task.has_rule \
+            else None
         if pending is not None:
             model = pending.result()["model_scores"]
-            return Batch({"scores": model, "rule_scores": rule})
+            return Batch({"scores": model, "rule_scores": model if rule is None else rule})
         scored = ctx.on_controller(node, "reward", lambda: _rule_scores(ctx, batch, rule, node),
                                    len(batch))
-        return Batch({"scores": scored, "rule_scores": rule})
+        return Batch({"scores": scored, "rule_scores": scored if rule is None else rule})
 
     return pending, finish
 
 
-def _rule_scores(ctx: Context, batch: Batch, rule: torch.Tensor, node: str) -> torch.Tensor:
+def _rule_scores(ctx: Context, batch: Batch, rule: torch.Tensor | None,
+                 node: str) -> torch.Tensor:
     """The rule's scores: the user's reward function on the decoded texts when the job
     names one, else the task's own rule."""
     if ctx.reward_function is None:
+        assert rule is not None, "a task without a rule needs a reward function or model"
         return rule
-    prompts = [ctx.task.text(p) for p in batch["prompts"]]
-    responses = [ctx.task.text(r) for r in batch["responses"]]
-    rows = [ctx.task.row(p) for p in batch["prompts"]]
+    prompts = ctx.task.prompt_texts(batch)
+    responses = ctx.task.response_texts(batch["responses"])
+    rows = ctx.task.rows(batch)
     return score_texts(ctx.reward_function, prompts, responses, rows, node)
 
 
@@ -119,11 +124,11 @@ def _pretraining_rows(ctx: Context, count: int) -> Batch:
 
 
 def _prompts(ctx: Context, iteration: int, repeat: int = 1) -> Batch:
-    prompts = ctx.task.sample(ctx.prompts_per_iteration, ctx.generator)
-    return Batch({"prompts": prompts}, {"iteration": iteration}).repeat(repeat)
+    prompts = ctx.task.prompt_batch(ctx.prompts_per_iteration, ctx.generator)
+    return Batch(prompts.tensors, {"iteration": iteration}).repeat(repeat)
 
 
-def _summary(batch: Batch, extra: dict[str, Any]) -> dict[str, Any]:
+def _summary(batch: Batch, extra: dict[str, Any], eos_token_id: int) -> dict[str, Any]:
     """The iteration's metrics: scores and their spread, response lengths (mean, max, the
     share cut off at the length cap), the sampled tokens' entropy estimate and the KL to the
     reference, and what the updates reported (``extra``)."""
@@ -134,12 +139,16 @@ def _summary(batch: Batch, extra: dict[str, Any]) -> dict[str, Any]:
     cap = batch["responses"].shape[1]
     # Cut off: it used every allowed token and did not end with EOS.
     ended = batch["responses"].gather(1, (mask.sum(-1).long() - 1).clamp(min=0)[:, None])
-    clipped = (mask.sum(-1) == cap) & (ended.squeeze(1) != EOS)
+    clipped = (mask.sum(-1) == cap) & (ended.squeeze(1) != eos_token_id)
     tokens = mask.sum().clamp(min=1)
+    prompt_tokens = batch["prompt_mask"].sum(-1).float() if "prompt_mask" in batch else \
+        torch.full((len(batch),), float(batch["prompts"].shape[1]))
     metrics = {"score": float(scores.mean()), "score_std": float(scores.std(unbiased=False)),
                "score_min": float(scores.min()), "score_max": float(scores.max()),
                "rule_score": float(batch["rule_scores"].mean()),
                "solved": float((batch["rule_scores"] == 1.0).float().mean()),
+               "prompt_tokens": float(prompt_tokens.mean()),
+               "prompt_tokens_max": float(prompt_tokens.max()),
                "response_tokens": float(mask.sum(-1).mean()),
                "response_tokens_max": float(mask.sum(-1).max()),
                "response_clip_ratio": float(clipped.float().mean()),
@@ -172,7 +181,7 @@ def ppo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     batch = batch | ctx.on_controller("advantage", "controller", advantages, len(batch))
     actor, critic = ctx.actor.update(batch), ctx.critic.update(batch)
     return _summary(batch, {**_prefixed("actor", actor.result().meta),
-                            **_prefixed("critic", critic.result().meta)})
+                            **_prefixed("critic", critic.result().meta)}, ctx.task.eos_token_id)
 
 
 def safe_rlhf_iteration(ctx: Context, iteration: int) -> dict[str, float]:
@@ -206,7 +215,7 @@ def safe_rlhf_iteration(ctx: Context, iteration: int) -> dict[str, float]:
                             "rule_cost": float(batch["rule_costs"].mean()),
                             "lambda_before": multiplier_used, "lambda": ctx.multiplier,
                             **_prefixed("actor", actor.result().meta),
-                            **_prefixed("critic", critic.result().meta)})
+                            **_prefixed("critic", critic.result().meta)}, ctx.task.eos_token_id)
 
 
 def grpo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
@@ -222,7 +231,7 @@ def grpo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
 
     batch = batch | ctx.on_controller("advantage", "controller", advantages, len(batch))
     actor = ctx.actor.update(batch)
-    return _summary(batch, _prefixed("actor", actor.result().meta))
+    return _summary(batch, _prefixed("actor", actor.result().meta), ctx.task.eos_token_id)
 
 
 def remax_iteration(ctx: Context, iteration: int) -> dict[str, float]:
@@ -256,7 +265,7 @@ def remax_iteration(ctx: Context, iteration: int) -> dict[str, float]:
                             "greedy_length_counts": json.dumps(
                                 {str(n): greedy_lengths.count(n)
                                  for n in sorted(set(greedy_lengths))}),
-                            **_prefixed("actor", actor.result().meta)})
+                            **_prefixed("actor", actor.result().meta)}, ctx.task.eos_token_id)
 
 
 DRIVERS: dict[str, Callable[[Context, int], dict[str, float]]] = {
@@ -294,13 +303,20 @@ def _prefixed(prefix: str, metrics: dict[str, Any]) -> dict[str, float]:
     return {f"{prefix}_{k}": float(v) for k, v in metrics.items()}
 
 
-def validation_scores(ctx: Context, prompts: torch.Tensor, iteration: int) -> dict[str, float]:
+def validation_scores(ctx: Context, prompts: Batch, iteration: int) -> dict[str, float]:
     """Greedy responses to the held-out prompts, scored by the rule (or the user's reward
-    function): the validation reward. Recorded as its own stage, outside the iteration."""
-    batch = ctx.actor.generate(Batch({"prompts": prompts}, {"iteration": iteration,
-                                                            "greedy": True}),
+    function, or the reward model): the validation reward. Recorded as its own stage,
+    outside the iteration."""
+    batch = ctx.actor.generate(Batch(prompts.tensors, {"iteration": iteration,
+                                                       "greedy": True}),
                                node="actor.validate").result()
-    rule = ctx.task.score(batch["prompts"], batch["responses"])
-    scores = _rule_scores(ctx, batch, rule, "actor.validate")
+    rule = ctx.task.score(batch["prompts"], batch["responses"]) if ctx.task.has_rule \
+        else None
+    if rule is None and ctx.reward_function is None:
+        # A reward model's validation: its scores of the greedy responses.
+        scores = ctx.reward.scores(batch, node="reward.validate").result()["model_scores"]
+    else:
+        scores = _rule_scores(ctx, batch, rule, "actor.validate")
+    rule = scores if rule is None else rule
     return {"val_score": float(scores.mean()), "val_rule_score": float(rule.mean()),
             "val_solved": float((rule == 1.0).float().mean())}

@@ -148,8 +148,11 @@ class GenerationEngine:
         return out if bias is None else out + bias
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 cache: list[list[torch.Tensor]], filled: int) -> torch.Tensor:
-        """Logits of the last position for ``tokens`` (batch, new) appended at ``filled``."""
+                 cache: list[list[torch.Tensor]], filled: int,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of the last position for ``tokens`` (batch, new) appended at ``filled``.
+        ``attn_mask`` (batch, 1, new, filled + new), True where a query may attend: left
+        padding of the prompts is hidden; None: plain causal attention."""
         spec = self.spec
         hd = spec.head_dim_value
         batch, new = tokens.shape
@@ -173,8 +176,12 @@ class GenerationEngine:
             cache[i][1][:, :, filled:filled + new] = v
             keys = cache[i][0][:, :, :filled + new]
             values = cache[i][1][:, :, :filled + new]
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=filled == 0,
-                                                 enable_gqa=heads != kv_heads)
+            if attn_mask is None:
+                out = F.scaled_dot_product_attention(q, keys, values, is_causal=filled == 0,
+                                                     enable_gqa=heads != kv_heads)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                                     enable_gqa=heads != kv_heads)
             x = x + self._row_linear(out.transpose(1, 2).reshape(batch, new, heads * hd),
                                      p + "self_attn.o_proj.weight")
             h = self._norm(x, p + "post_attention_layernorm")
@@ -232,8 +239,11 @@ class GenerationEngine:
 
     @torch.no_grad()
     def generate(self, prompts: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> GenerationOutput:
-        """Sample up to ``max_new_tokens`` per prompt; prompts (batch, length) share a length.
+                 generator: torch.Generator,
+                 prompt_mask: torch.Tensor | None = None) -> GenerationOutput:
+        """Sample up to ``max_new_tokens`` per prompt. Prompts (batch, length) are left-padded
+        to one length; ``prompt_mask`` is 0 on the padding (None: no padding), which then
+        takes no part: a padded prompt generates what it generates alone.
         ``generator`` lives on the weights' device (sampling draws there).
 
         Under a KV-cache budget too small for the batch, consecutive waves of prompts run one
@@ -252,23 +262,28 @@ class GenerationEngine:
             raise RuntimeError("the generation engine has no weights loaded")
         batch, prompt_len = prompts.shape
         wave = self.wave_size(batch, prompt_len + params.max_new_tokens)
+        if prompt_mask is not None and bool(prompt_mask.all()):
+            prompt_mask = None
         if wave >= batch:
-            return self._generate_wave(prompts, params, generator)
+            return self._generate_wave(prompts, params, generator, prompt_mask)
         waves = -(-batch // wave)
         seeds = torch.randint(0, 2**62, (waves,), generator=generator,
                               device=generator.device).tolist()
         outputs = []
         for index, seed in enumerate(seeds):
             wave_generator = torch.Generator(device=generator.device).manual_seed(seed)
-            outputs.append(self._generate_wave(prompts[index * wave:(index + 1) * wave],
-                                               params, wave_generator))
+            rows = slice(index * wave, (index + 1) * wave)
+            outputs.append(self._generate_wave(
+                prompts[rows], params, wave_generator,
+                None if prompt_mask is None else prompt_mask[rows]))
         return GenerationOutput(
             responses=torch.cat([o.responses for o in outputs]),
             log_probs=torch.cat([o.log_probs for o in outputs]),
             lengths=torch.cat([o.lengths for o in outputs]))
 
     def _generate_wave(self, prompts: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator) -> GenerationOutput:
+                       generator: torch.Generator,
+                       prompt_mask: torch.Tensor | None = None) -> GenerationOutput:
         """Generate for all ``prompts`` at once, with a KV cache for the whole batch."""
         spec = self.spec
         batch, prompt_len = prompts.shape
@@ -285,10 +300,22 @@ class GenerationEngine:
         log_probs = torch.zeros(batch, params.max_new_tokens, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=device)
-        positions = torch.arange(prompt_len, device=device).expand(batch, prompt_len)
         interval = self.finish_check_interval_steps or \
             (1 if device.type == "cpu" else FINISH_CHECK_INTERVAL_STEPS)
-        logits = self._forward(prompts, positions, cache, 0)
+        keys = None  # (batch, total) True on every cache slot but the prompts' padding
+        if prompt_mask is None:
+            positions = torch.arange(prompt_len, device=device).expand(batch, prompt_len)
+            real = torch.full((batch,), prompt_len, device=device)
+            logits = self._forward(prompts, positions, cache, 0)
+        else:
+            from executor.model import padded_causal_mask, padded_positions
+
+            prompt_mask = prompt_mask.to(device)
+            keys = torch.cat([prompt_mask.bool(), torch.ones(
+                batch, params.max_new_tokens, dtype=torch.bool, device=device)], dim=1)
+            real = prompt_mask.long().sum(-1)
+            logits = self._forward(prompts, padded_positions(prompt_mask), cache, 0,
+                                   padded_causal_mask(prompt_mask))
         for step in range(params.max_new_tokens):
             # Steps after every sequence ended (until the next check) change no output: their
             # tokens become pad, their log-probs 0, and no length or ``finished`` changes.
@@ -306,8 +333,10 @@ class GenerationEngine:
             # The check reads ``finished`` on the host (a device sync on GPUs): periodic only.
             if (step + 1) % interval == 0 and bool(finished.all()):
                 break
-            position = torch.full((batch, 1), prompt_len + step, device=device)
-            logits = self._forward(token[:, None], position, cache, prompt_len + step)
+            position = (real + step)[:, None]
+            filled = prompt_len + step
+            step_mask = None if keys is None else keys[:, None, None, :filled + 1]
+            logits = self._forward(token[:, None], position, cache, filled, step_mask)
         return GenerationOutput(responses=responses, log_probs=log_probs, lengths=lengths)
 
 

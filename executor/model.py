@@ -60,6 +60,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded sequences: each sequence's first real token is at 0 (pads
+    get 0 too; nothing reads them)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Boolean (batch, 1, tokens, tokens) attention mask for left-padded sequences: causal,
+    no query attends to a pad; a pad attends to itself only (a row with no key at all would
+    give NaN, and pad outputs are never read)."""
+    tokens = attention_mask.shape[-1]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool,
+                        device=attention_mask.device).tril()
+    keys = attention_mask.bool()[:, None, None, :]
+    diagonal = torch.eye(tokens, dtype=torch.bool, device=attention_mask.device)
+    return (causal & keys) | diagonal
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -73,7 +91,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(spec.heads * hd, h, bias=spec.linear_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, tokens, _ = x.shape
         hd = self.head_dim
         q = self.q_proj(x)
@@ -85,8 +104,12 @@ class Attention(nn.Module):
         v = v.view(batch, tokens, kv_heads, hd).transpose(1, 2)
         if self.rotary:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=heads != kv_heads)
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=heads != kv_heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                 enable_gqa=heads != kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, tokens, heads * hd))
 
 
@@ -116,8 +139,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = make_norm(spec)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,21 +170,31 @@ class CausalLM(nn.Module):
             if spec.tied_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states. ``attention_mask`` (batch, tokens), 0 on left padding: padded
+        tokens are attended by nobody and positions count real tokens only, so a left-padded
+        sequence computes what it computes unpadded."""
         batch, tokens = input_ids.shape
-        positions = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            positions = padded_positions(attention_mask)
+            mask = padded_causal_mask(attention_mask)
+        else:
+            positions = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
         x = self.model.embed_tokens(input_ids)
         if self.spec.learned_positions:
             x = x + self.model.embed_positions(positions)
         cos, sin = rotary_tables(positions, self.spec.head_dim_value, self.spec.rope_theta,
                                  x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.model.norm(x)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, tokens, vocab), or values (batch, tokens) for a value model."""
-        x = self.hidden_states(input_ids)
+        x = self.hidden_states(input_ids, attention_mask)
         if self.is_value_model:
             return self.value_head(x).squeeze(-1)
         return self.lm_head(x)
@@ -202,8 +236,11 @@ class InitialWeights(Mapping[str, torch.Tensor]):
                       CausalLM(spec, value_head=value_head).state_dict().items()}
         self.shapes = shapes
         self.files: dict[str, Path] = {}
+        self.stored: set[str] = set()
+        """Names as the checkpoint stores them (a value head may be stored as ``score.*``,
+        Hugging Face's token-classification head)."""
         if checkpoint is not None:
-            self.files = checkpoint_index(Path(checkpoint), shapes, spec)
+            self.files, self.stored = checkpoint_index(Path(checkpoint), shapes, spec)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
@@ -213,8 +250,9 @@ class InitialWeights(Mapping[str, torch.Tensor]):
         if name in self.files:
             from safetensors import safe_open
 
+            stored = HF_VALUE_HEAD.get(name, name) if name not in self.stored else name
             with safe_open(str(self.files[name]), framework="pt") as handle:
-                return handle.get_tensor(name).float()
+                return handle.get_tensor(stored).float()
         return initial_tensor(name, self.shapes[name], self.spec.layers, self.seed)
 
     def __iter__(self) -> Iterator[str]:
@@ -224,11 +262,16 @@ class InitialWeights(Mapping[str, torch.Tensor]):
         return len(self.shapes)
 
 
+HF_VALUE_HEAD = {"value_head.weight": "score.weight", "value_head.bias": "score.bias"}
+"""A value head as Hugging Face's ``LlamaForTokenClassification`` with one label stores it
+(the form critics are exported in, and verl's critics use)."""
+
+
 def checkpoint_index(directory: Path, shapes: dict[str, tuple[int, ...]],
-                     spec: ModelSpec) -> dict[str, Path]:
-    """Which ``*.safetensors`` file of ``directory`` holds each of the model's tensors,
-    reading only the files' headers; SpecError naming a tensor the model needs and the
-    checkpoint lacks, or one whose shape differs."""
+                     spec: ModelSpec) -> tuple[dict[str, Path], set[str]]:
+    """Which ``*.safetensors`` file of ``directory`` holds each of the model's tensors, and the
+    names the files store; reading only the files' headers. SpecError naming a tensor the
+    model needs and the checkpoint lacks, or one whose shape differs."""
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -241,6 +284,10 @@ def checkpoint_index(directory: Path, shapes: dict[str, tuple[int, ...]],
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 where[name] = file
                 found[name] = tuple(handle.get_slice(name).get_shape())
+    stored = set(found)
+    for ours, theirs in HF_VALUE_HEAD.items():
+        if ours in shapes and ours not in found and theirs in found:
+            where[ours], found[ours] = where[theirs], found[theirs]
     # A critic or reward model started from a language model keeps its fresh value head.
     missing = [k for k in shapes if k not in found and not k.startswith("value_head.")
                and not (k == "lm_head.weight" and spec.tied_embeddings)]
@@ -251,7 +298,7 @@ def checkpoint_index(directory: Path, shapes: dict[str, tuple[int, ...]],
         if name in found and found[name] != shape:
             raise SpecError(f"checkpoint {directory}: {name} has shape {found[name]}, the "
                             f"model expects {shape}", key="checkpoint")
-    return {name: where[name] for name in shapes if name in where}
+    return {name: where[name] for name in shapes if name in where}, stored
 
 
 @torch.no_grad()
@@ -287,10 +334,13 @@ def build_model(spec: ModelSpec, *, value_head: bool = False, seed: int = 0,
     return model
 
 
-def hf_config(spec: ModelSpec, dtype: torch.dtype) -> dict:
-    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec."""
+def hf_config(spec: ModelSpec, dtype: torch.dtype, *, value_head: bool = False) -> dict:
+    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec: a causal LM, or a
+    value model as ``LlamaForTokenClassification`` with one label (a value per token)."""
+    head = {"architectures": ["LlamaForTokenClassification"], "num_labels": 1} if value_head \
+        else {"architectures": ["LlamaForCausalLM"]}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **head, "model_type": "llama",
         "vocab_size": spec.vocab, "hidden_size": spec.hidden,
         "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
@@ -313,10 +363,14 @@ def llama_exportable(spec: ModelSpec) -> str | None:
 
 
 def write_hf_checkpoint(directory: str | Path, spec: ModelSpec,
-                        state: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
-    """A Hugging Face Llama checkpoint directory (``config.json`` + ``model.safetensors``)
-    from whole tensors: written beside the target and renamed into place, so an earlier
-    checkpoint there is replaced whole or not at all."""
+                        state: dict[str, torch.Tensor], dtype: torch.dtype, *,
+                        value_head: bool = False,
+                        extra_files: Mapping[str, bytes] | None = None) -> Path:
+    """A Hugging Face Llama checkpoint directory (``config.json`` + ``model.safetensors``,
+    plus ``extra_files`` such as the tokenizer's) from whole tensors: written beside the
+    target and renamed into place, so an earlier checkpoint there is replaced whole or not
+    at all. A value model is written as ``LlamaForTokenClassification`` (its head as
+    ``score``)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -326,10 +380,16 @@ def write_hf_checkpoint(directory: str | Path, spec: ModelSpec,
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in state.items()
+    tensors = {HF_VALUE_HEAD.get(name, name): t.detach().to("cpu", dtype).contiguous()
+               for name, t in state.items()
                if not (name == "lm_head.weight" and spec.tied_embeddings)}
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
-    (partial / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2))
+    (partial / "config.json").write_text(json.dumps(
+        hf_config(spec, dtype, value_head=value_head), indent=2))
+    for name, content in (extra_files or {}).items():
+        if Path(name).name != name or name in ("config.json", "model.safetensors"):
+            raise ValueError(f"{name!r} is not a plain file name of its own")
+        (partial / name).write_bytes(content)
     if target.exists():
         old = target.with_name(f".{target.name}.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -1,8 +1,10 @@
 """Worker-side roles: what the actor, critic, reference, reward and cost models do, each
 operation declaring its transfer protocol where it is defined.
 
-A batch carries ``input_ids`` (prompt + response, right-padded), ``response_mask`` over the
-response positions, and whatever earlier stages added (``old_log_probs``, ``ref_log_probs``,
+A batch carries ``input_ids`` (prompt + response: prompts left-padded to the batch's longest,
+responses right-padded), ``attention_mask`` (0 on the prompts' left padding; absent when every
+prompt has the batch's length), ``response_mask`` over the response positions, and whatever
+earlier stages added (``old_log_probs``, ``ref_log_probs``,
 ``values``, ``advantages``, ``returns``, ...). Every role sees only its data-parallel share.
 """
 
@@ -95,6 +97,11 @@ class Role:
     def prompt_length(self, batch: Batch) -> int:
         return int(batch.meta["prompt_length"])
 
+    @staticmethod
+    def mask(batch: Batch | dict) -> torch.Tensor | None:
+        """The batch's attention mask (None: no prompt is padded)."""
+        return batch.get("attention_mask", None)
+
     def _update(self, batch: Batch, loss) -> Batch:
         """PPO epochs x mini-batches optimizer steps over this rank's share."""
         totals: dict[str, float] = {}
@@ -123,7 +130,9 @@ class Role:
         state = self.trainer.hf_state()
         if dist.get_rank() == 0:
             write_hf_checkpoint(batch.meta["directory"], self.config.spec, state,
-                                compute_dtype(self.config.dtype))
+                                compute_dtype(self.config.dtype),
+                                value_head=self.config.value_head,
+                                extra_files=batch.meta.get("files"))
         return Batch(meta={"written": float(dist.get_rank() == 0)})
 
     @protocol(Protocol.DP)
@@ -159,7 +168,9 @@ class ActorRole(Role):
             seed = hash((self.config.seed, int(batch.meta.get("iteration", 0)),
                          self.hybrid.replica, bool(batch.meta.get("greedy")))) % (2**63)
             generator = torch.Generator(device=batch["prompts"].device).manual_seed(seed)
-            out = self.hybrid.engine.generate(batch["prompts"], sampling, generator)
+            prompt_mask = batch.get("prompt_mask", None)
+            out = self.hybrid.engine.generate(batch["prompts"], sampling, generator,
+                                              prompt_mask=prompt_mask)
         finally:
             self.hybrid.to_training()
         self.last_transition = record
@@ -167,15 +178,22 @@ class ActorRole(Role):
         steps = out.responses.shape[1]
         mask = (torch.arange(steps, device=out.lengths.device)[None]
                 < out.lengths[:, None]).float()
-        return Batch({"prompts": prompts, "responses": out.responses,
-                      "input_ids": torch.cat([prompts, out.responses], dim=1),
-                      "response_mask": mask, "old_log_probs": out.log_probs},
-                     {"prompt_length": prompts.shape[1]})
+        tensors = {"prompts": prompts, "responses": out.responses,
+                   "input_ids": torch.cat([prompts, out.responses], dim=1),
+                   "response_mask": mask, "old_log_probs": out.log_probs}
+        if prompt_mask is not None:
+            tensors["prompt_mask"] = prompt_mask
+            tensors["attention_mask"] = torch.cat(
+                [prompt_mask, torch.ones_like(out.responses, dtype=prompt_mask.dtype)], dim=1)
+        if "prompt_index" in batch:
+            tensors["prompt_index"] = batch["prompt_index"]
+        return Batch(tensors, {"prompt_length": prompts.shape[1]})
 
     @protocol(Protocol.THREE_D)
     def log_probs(self, batch: Batch) -> Batch:
         p = self.prompt_length(batch)
-        lp = self.trainer.infer(batch["input_ids"], self.infer_micro, values=False)[:, p - 1:]
+        lp = self.trainer.infer(batch["input_ids"], self.infer_micro, values=False,
+                                attention_mask=self.mask(batch))[:, p - 1:]
         return Batch({"old_log_probs": lp * batch["response_mask"]})
 
     @protocol(Protocol.THREE_D)
@@ -186,7 +204,7 @@ class ActorRole(Role):
         use_ptx = "ptx_input_ids" in batch
 
         def loss(trainer: Trainer, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-            lp = trainer.token_log_probs(mb["input_ids"])[:, p - 1:]
+            lp = trainer.token_log_probs(mb["input_ids"], self.mask(mb))[:, p - 1:]
             mask = mb["response_mask"]
             value, stats = rl.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask,
                                           cfg.clip_ratio)
@@ -210,7 +228,8 @@ class CriticRole(Role):
     @protocol(Protocol.THREE_D)
     def values(self, batch: Batch) -> Batch:
         p = self.prompt_length(batch)
-        values = self.trainer.infer(batch["input_ids"], self.infer_micro, values=True)[:, p - 1:-1]
+        values = self.trainer.infer(batch["input_ids"], self.infer_micro, values=True,
+                                    attention_mask=self.mask(batch))[:, p - 1:-1]
         return Batch({"values": values * batch["response_mask"]})
 
     @protocol(Protocol.THREE_D)
@@ -219,7 +238,7 @@ class CriticRole(Role):
         clip = self.config.rl.value_clip
 
         def loss(trainer: Trainer, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-            values = trainer.token_values(mb["input_ids"])[:, p - 1:-1]
+            values = trainer.token_values(mb["input_ids"], self.mask(mb))[:, p - 1:-1]
             value = rl.value_loss(values, mb["values"], mb["returns"], mb["response_mask"],
                                   clip)
             return value, {"value_loss": float(value)}
@@ -231,7 +250,8 @@ class ReferenceRole(Role):
     @protocol(Protocol.THREE_D)
     def log_probs(self, batch: Batch) -> Batch:
         p = self.prompt_length(batch)
-        lp = self.trainer.infer(batch["input_ids"], self.infer_micro, values=False)[:, p - 1:]
+        lp = self.trainer.infer(batch["input_ids"], self.infer_micro, values=False,
+                                attention_mask=self.mask(batch))[:, p - 1:]
         return Batch({"ref_log_probs": lp * batch["response_mask"]})
 
 
@@ -241,7 +261,8 @@ class RewardRole(Role):
     @protocol(Protocol.THREE_D)
     def scores(self, batch: Batch) -> Batch:
         p = self.prompt_length(batch)
-        values = self.trainer.infer(batch["input_ids"], self.infer_micro, values=True)
+        values = self.trainer.infer(batch["input_ids"], self.infer_micro, values=True,
+                                    attention_mask=self.mask(batch))
         last = p - 1 + batch["response_mask"].sum(-1).long()
         column = "cost_scores" if self.config.role == "cost" else "model_scores"
         return Batch({column: values[torch.arange(len(values), device=values.device), last]})
@@ -254,7 +275,7 @@ class RewardRole(Role):
         p = self.prompt_length(batch)
 
         def loss(trainer: Trainer, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-            values = trainer.token_values(mb["input_ids"])
+            values = trainer.token_values(mb["input_ids"], self.mask(mb))
             last = p - 1 + mb["response_mask"].sum(-1).long()
             error = values[torch.arange(len(values), device=values.device), last] - mb["targets"]
             value = (error ** 2).mean()

@@ -56,6 +56,12 @@ class ExecutionOptions:
     save_hf_every: int = 0
     """Also write it every this many iterations (replacing the previous one whole; 0: only
     at the end)."""
+    save_hf_critic: Path | None = None
+    """Where to write the trained critic, as a Hugging Face ``LlamaForTokenClassification``
+    with one label (the same times as the actor); None: nothing is written."""
+    log_tensorboard: bool = False
+    """Also write every iteration's metrics as TensorBoard scalars (the run directory's
+    ``tensorboard/``)."""
     checkpoints: dict[str, str] = field(default_factory=dict)
     """role -> local Hugging Face checkpoint directory its model starts from (the reference
     takes the actor's when it has none of its own and the same model)."""
@@ -77,8 +83,10 @@ class RunResult:
     seconds: float
 
 
-def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> None:
-    """Everything that can be checked before a worker starts; raises SpecError."""
+def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> Any:
+    """Everything that can be checked before a worker starts; raises SpecError. Returns the
+    task the controller's program takes its prompts from (the built-in one, or the job's
+    data read and tokenized)."""
     from executor.backends import check_available, check_megatron_layout
     from executor.trainer import check_layout, compute_dtype
 
@@ -88,6 +96,10 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     plan.validate(job)
     compute_dtype(job.workload.dtype)
     chosen_backends = effective_backends(job, plan)
+    checkpoints = effective_checkpoints(job, options)
+    check_checkpoints(job, checkpoints)
+    task = prepare_task(job, options, checkpoints, chosen_backends)
+    max_new_tokens = response_cap(job, task)
     for role in job.gpu_roles:
         rp = plan.roles[role]
         spec = job.model(role)
@@ -109,13 +121,14 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "
                             f"tp={rp.parallel.tp} (3D-HybridEngine)",
                             key=f"roles.{role}.generation.tp")
-        longest = options.task.prompt_length + options.task.response_length + 1
+        longest = task.prompt_length + max_new_tokens
         if spec.learned_positions and spec.learned_positions < longest:
             raise SpecError(f"{spec.name} has {spec.learned_positions} learned positions; the "
                             f"task's sequences reach {longest} tokens", key=f"models.{role}")
-        if spec.vocab < options.task.vocab_needed:
-            raise SpecError(f"{spec.name} has {spec.vocab} tokens; the task needs "
-                            f"{options.task.vocab_needed}", key=f"models.{role}")
+        if spec.vocab < task.vocab_needed:
+            what = "the tokenizer has" if job.data is not None else "the task needs"
+            raise SpecError(f"{spec.name} has {spec.vocab} tokens; {what} "
+                            f"{task.vocab_needed}", key=f"models.{role}")
     work = job.workload
     sequences = work.prompts_per_iteration * (work.samples_per_prompt
                                               if job.algorithm == "grpo" else 1)
@@ -134,17 +147,30 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                             key="workload.prompts_per_iteration")
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
-    check_checkpoints(job, options.checkpoints)
     if job.reward_function is not None:
         from executor.reward_function import load_reward_function
 
         load_reward_function(job.reward_function.path, job.reward_function.name)
-    if options.save_hf is not None:
+    if options.save_hf is not None or options.save_hf_critic is not None:
         from executor.model import llama_exportable
 
-        problem = llama_exportable(job.model("actor"))
-        if problem:
-            raise SpecError(problem, key="--save-hf")
+        for role, key, directory in (("actor", "--save-hf", options.save_hf),
+                                     ("critic", "--save-hf-critic", options.save_hf_critic)):
+            if directory is None:
+                continue
+            if role not in job.gpu_roles:
+                raise SpecError(f"{job.algorithm} has no critic to write", key=key)
+            problem = llama_exportable(job.model(role))
+            if problem:
+                raise SpecError(problem, key=key)
+            if Path(directory).exists() and not Path(directory).is_dir():
+                raise SpecError(f"{directory} exists and is not a directory", key=key)
+    if options.log_tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise SpecError("TensorBoard logging needs the tensorboard package: pip install "
+                            "tensorboard", key="--log") from None
     budget = planned_kv_cache_budget_bytes(job, plan)
     if budget is not None and budget <= 0:
         raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
@@ -155,7 +181,82 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
 
     replace(plan, roles={role: replace(rp, training_backend=chosen_backends[role][0])
                          for role, rp in plan.roles.items()}).check_backends()
+    return task
 
+
+def effective_checkpoints(job: JobSpec, options: ExecutionOptions) -> dict[str, str]:
+    """role -> the checkpoint directory its model starts from: ``--checkpoint`` where given,
+    else the job's model directory when it holds weights (``*.safetensors``)."""
+    from_job = {role: path for role, path in job.model_paths.items()
+                if role in job.gpu_roles and any(Path(path).glob("*.safetensors"))}
+    return {**from_job, **options.checkpoints}
+
+
+def hf_tokenizer_files(task: Any) -> dict[str, bytes]:
+    """The tokenizer's files as ``save_pretrained`` writes them (what a Hugging Face
+    checkpoint directory carries beside the weights)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        task.tokenizer.save_pretrained(scratch)
+        return {p.name: p.read_bytes() for p in Path(scratch).iterdir() if p.is_file()}
+
+
+def response_cap(job: JobSpec, task: Any) -> int:
+    """Tokens a response may have: the workload's longest response; for the built-in task
+    at most its answer plus EOS."""
+    longest = job.workload.response_length.max_tokens
+    if job.data is None:
+        return min(task.response_length + 1, longest)
+    return longest
+
+
+def prepare_task(job: JobSpec, options: ExecutionOptions, checkpoints: dict[str, str],
+                 backends: dict[str, tuple[str, str]]) -> Any:
+    """The built-in task, or the job's data: the tokenizer found and checked against every
+    model's, the files read and tokenized (errors name the file and row)."""
+    if job.data is None:
+        return options.task
+    from executor.data import build_dataset_task, has_tokenizer, load_tokenizer, same_tokenizer
+
+    if job.algorithm == "safe-rlhf":
+        raise SpecError("Safe-RLHF's cost rule and pretraining data belong to the built-in "
+                        "task; with data: run ppo, grpo or remax", key="data")
+    if job.reward_function is None and job.models.get("reward") == "rule":
+        raise SpecError("the data has no rule of its own: give reward_function (with "
+                        "reward: rule) or a reward model", key="data")
+    if "reward" in job.gpu_roles and "reward" not in checkpoints:
+        raise SpecError("a reward model for your data must start from its trained weights: "
+                        "give its checkpoint directory (models.reward: DIR or --checkpoint "
+                        "reward=DIR)", key="models.reward")
+    megatron = [r for r, (training, _) in backends.items() if training == "megatron"]
+    if megatron:
+        raise SpecError(f"prompts of different lengths are left-padded, which the Megatron "
+                        f"backend does not take yet; train {', '.join(megatron)} with the "
+                        "torch backend (backends: {role: {training: torch}})", key="data")
+    directory = job.data.tokenizer
+    if directory is None:
+        actor = checkpoints.get("actor")
+        if actor is None or not has_tokenizer(actor):
+            raise SpecError("no tokenizer: give data.tokenizer, or an actor checkpoint "
+                            "directory with its tokenizer files", key="data.tokenizer")
+        directory = actor
+    task = build_dataset_task(job.data, directory,
+                              max_prompt_length=job.workload.prompt_length)
+    # Every model reads the actor's token ids: a role whose checkpoint has another tokenizer
+    # would read them as different words.
+    for role, path in checkpoints.items():
+        if has_tokenizer(path) and str(Path(path).resolve()) != str(
+                Path(directory).resolve()):
+            other = load_tokenizer(path, key=f"--checkpoint {role}")
+            if not same_tokenizer(other, task.tokenizer):
+                raise SpecError(f"{role}'s tokenizer ({path}) differs from the one the prompts "
+                                f"are tokenized with ({directory}); every model reads the "
+                                "same token ids", key=f"models.{role}")
+    if options.validate_every and task.val is None:
+        raise SpecError("validation needs held-out prompts: give data.val_files",
+                        key="--validate-every")
+    return task
 
 def check_checkpoints(job: JobSpec, checkpoints: dict[str, str]) -> None:
     """Each checkpoint names a role on GPUs and a directory whose tensors have the names and
@@ -198,11 +299,14 @@ def planned_kv_cache_budget_bytes(job: JobSpec, plan: Plan) -> int | None:
     return None if budget is None else int(budget)
 
 
-def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
+def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions,
+                 task: Any = None) -> dict[str, Any]:
     from executor.generation import SamplingParams
     from executor.roles import RoleConfig
-    from executor.task import EOS, PAD
     from executor.trainer import OptimConfig
+
+    task = options.task if task is None else task
+    checkpoints = effective_checkpoints(job, options)
 
     dataflow = job.dataflow
     work = job.workload
@@ -217,10 +321,9 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
         lr = options.actor_lr if role == "actor" else options.critic_lr
         sampling = None
         if rp.generation is not None:
-            # The task's answer plus EOS, capped by the workload's longest response.
-            sampling = SamplingParams(max_new_tokens=min(options.task.response_length + 1,
-                                                         work.response_length.max_tokens),
-                                      eos_token_id=EOS, pad_token_id=PAD,
+            sampling = SamplingParams(max_new_tokens=response_cap(job, task),
+                                      eos_token_id=task.eos_token_id,
+                                      pad_token_id=task.pad_token_id,
                                       temperature=options.temperature, top_p=options.top_p)
         configs[role] = RoleConfig(
             role=role, spec=job.model(role), parallel=rp.parallel, trainable=trainable,
@@ -230,7 +333,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
             mini_batches=work.mini_batches_per_epoch,
             infer_micro_batch=work.infer_micro_batch_size, transition=options.transition,
             generation_backend=backends[role][1], training_backend=backends[role][0],
-            dtype=work.dtype, checkpoint=options.checkpoints.get(role),
+            dtype=work.dtype, checkpoint=checkpoints.get(role),
             kv_cache_budget_bytes=kv_budget if rp.generation is not None else None,
             offload_optimizer=trainable and offload.optimizer,
             offload_grads=trainable and offload.grads)
@@ -240,8 +343,7 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[st
         from dataclasses import replace
 
         configs["ref"] = replace(configs["ref"], seed=configs["actor"].seed,
-                                 checkpoint=options.checkpoints.get(
-                                     "ref", options.checkpoints.get("actor")))
+                                 checkpoint=checkpoints.get("ref", checkpoints.get("actor")))
     return configs
 
 
@@ -311,14 +413,16 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
 
     from executor.batch import Batch
     from executor.controller import RoleHandle, WorkerFailedError, WorkerGroup
+    from executor.data import DataExhaustedError
     from executor.drivers import DRIVERS, Context, fit_reward_model, validation_scores
     from executor.placement import gpu_nodes, map_plan_nodes
     from executor.protocols import RankLayout
     from executor.records import machine, measurement_rows, versions, write_run
     from executor.reward_function import RewardFunctionError, load_reward_function
 
-    validate_for_execution(job, plan, options)
-    configs = role_configs(job, plan, options)
+    task = validate_for_execution(job, plan, options)
+    configs = role_configs(job, plan, options, task)
+    checkpoints = effective_checkpoints(job, options)
     say = options.log or (lambda _message: None)
     started_at = time.time()
     ray, started_ray = _start_ray(plan, options.address, options.worker_logs)
@@ -358,7 +462,14 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             handles[role] = RoleHandle(groups[plan.set_index(role)], role, layout,
                                        records.append, names)
         work = job.workload
-        ctx = Context(handles=handles, task=options.task, rl=configs["actor"].rl,
+        if job.data is not None:
+            say(f"data: {len(task.train)} training prompts"
+                + (f", {len(task.val)} held out" if task.val else "")
+                + f" (longest {task.prompt_length} tokens"
+                + (f"; {task.train.dropped} longer ones left out" if task.train.dropped else "")
+                + (f"; {task.train.truncated} truncated" if task.train.truncated else "")
+                + f"), tokenizer {task.tokenizer_directory}")
+        ctx = Context(handles=handles, task=task, rl=configs["actor"].rl,
                       prompts_per_iteration=work.prompts_per_iteration,
                       samples_per_prompt=work.samples_per_prompt,
                       reward_from_model="reward" in handles,
@@ -371,20 +482,19 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
         ctx.records = records
         warmup: list[float] = []
         cost_warmup: list[float] = []
-        if ctx.reward_from_model and options.reward_warmup_steps > 0:
+        if ctx.reward_from_model and options.reward_warmup_steps > 0 and task.has_rule:
             warmup = fit_reward_model(ctx, options.reward_warmup_steps,
                                       work.prompts_per_iteration)
             say(f"reward model fitted to the rule: loss {warmup[0]:.4f} -> {warmup[-1]:.4f}")
-        if ctx.cost_from_model and options.reward_warmup_steps > 0:
+        if ctx.cost_from_model and options.reward_warmup_steps > 0 and task.has_rule:
             cost_warmup = fit_reward_model(ctx, options.reward_warmup_steps,
                                            work.prompts_per_iteration, role="cost")
             say(f"cost model fitted to the rule: loss {cost_warmup[0]:.4f} -> "
                 f"{cost_warmup[-1]:.4f}")
         records.clear()
         driver = DRIVERS[job.algorithm]
-        # Held-out prompts, drawn from their own generator so training data is unchanged.
-        held_out = options.task.sample(work.prompts_per_iteration,
-                                       torch.Generator().manual_seed(options.seed + 1_000_003))
+        held_out = task.held_out_batch(work.prompts_per_iteration, options.seed) \
+            if job.data is None else task.held_out_batch(work.prompts_per_iteration)
         rows: list[dict[str, Any]] = []
         metrics: list[dict[str, Any]] = []
         origin = time.time()
@@ -393,12 +503,21 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                     "options": {"steps": options.steps, "seed": options.seed,
                                 "transition": options.transition,
                                 "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                                "rl": to_mapping(options.rl), "task": to_mapping(options.task),
+                                "rl": to_mapping(options.rl),
+                                "task": to_mapping(options.task) if job.data is None else
+                                {"data": to_mapping(job.data),
+                                 "tokenizer": task.tokenizer_directory,
+                                 "train_prompts": len(task.train),
+                                 "dropped": task.train.dropped,
+                                 "truncated": task.train.truncated},
                                 "reward_warmup_steps": options.reward_warmup_steps,
-                                "checkpoints": dict(options.checkpoints),
+                                "checkpoints": dict(checkpoints),
                                 "validate_every": options.validate_every,
-                                "save_hf": str(options.save_hf) if options.save_hf else None},
+                                "save_hf": str(options.save_hf) if options.save_hf else None,
+                                "save_hf_critic": str(options.save_hf_critic)
+                                if options.save_hf_critic else None},
                     "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
+                    **({"data_position": task.cursor.state} if job.data is not None else {}),
                     "versions": versions(),
                     "machine": machine(), "seconds": seconds,
                     "worker_code": worker_code,
@@ -426,14 +545,36 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 where = f"; records of the {finished} finished iteration(s) in {options.out}"
             raise RunFailedError(f"{failure}{where}") from None
 
+        tokenizer_files = hf_tokenizer_files(task) if job.data is not None else {}
+
+        def save_hf_checkpoints() -> None:
+            """The actor (and the critic when asked) as Hugging Face checkpoints, with the
+            tokenizer the prompts were tokenized with."""
+            for role, directory in (("actor", options.save_hf),
+                                    ("critic", options.save_hf_critic)):
+                if directory is not None:
+                    handles[role].save_hf(Batch(meta={
+                        "directory": str(directory), "files": tokenizer_files})).result()
+
+        writer = None
+        if options.log_tensorboard and options.out is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=str(options.out / "tensorboard"))
+        finished = options.steps
         for iteration in range(options.steps):
             records.clear()
             start = time.time()
+            position = task.cursor.state if job.data is not None else None
             try:
                 summary = driver(ctx, iteration)
             except (WorkerFailedError, RewardFunctionError) as failure:
                 # Keep what finished; the failed iteration's partial calls are left out.
                 fail(failure, iteration, finished=iteration)
+            except DataExhaustedError as exhausted:
+                say(f"{exhausted}: the run ends after {iteration} iteration(s)")
+                finished = iteration
+                break
             end = time.time()
             rows.extend(measurement_rows(list(records), iteration, plan, origin, backends))
             rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
@@ -447,13 +588,18 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
             tokens = sum(r.tokens for r in records if r.operation == "generate")
             metrics.append({"iteration": iteration, "seconds": end - start, **summary,
                             "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                            "tokens_per_s": tokens / (end - start)})
+                            "tokens_per_s": tokens / (end - start),
+                            **({"data_epoch": position["epoch"],
+                                "data_offset": position["offset"]} if position else {})})
+            if writer is not None:
+                for name, value in metrics[-1].items():
+                    if isinstance(value, (int, float)) and name != "iteration":
+                        writer.add_scalar(name, value, iteration)
+                writer.flush()
             try:  # after the iteration's records: a checkpoint, a validation
-                if options.save_hf is not None and options.save_hf_every and \
-                        (iteration + 1) % options.save_hf_every == 0 and \
-                        iteration + 1 < options.steps:
-                    handles["actor"].save_hf(
-                        Batch(meta={"directory": str(options.save_hf)})).result()
+                if options.save_hf_every and (iteration + 1) % options.save_hf_every == 0 \
+                        and iteration + 1 < options.steps:
+                    save_hf_checkpoints()
                 if options.validate_every and ((iteration + 1) % options.validate_every == 0
                                                or iteration + 1 == options.steps):
                     metrics[-1].update(validation_scores(ctx, held_out, iteration))
@@ -469,13 +615,17 @@ def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
                 f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
                 f"{validation}"
                 f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
-        if options.save_hf is not None:
+        if options.save_hf is not None or options.save_hf_critic is not None:
             try:
-                handles["actor"].save_hf(
-                    Batch(meta={"directory": str(options.save_hf)})).result()
+                save_hf_checkpoints()
             except WorkerFailedError as failure:
-                fail(failure, options.steps - 1, finished=options.steps)
-            say(f"actor written as a Hugging Face checkpoint to {options.save_hf}")
+                fail(failure, finished - 1, finished=finished)
+            for role, directory in (("actor", options.save_hf),
+                                    ("critic", options.save_hf_critic)):
+                if directory is not None:
+                    say(f"{role} written as a Hugging Face checkpoint to {directory}")
+        if writer is not None:
+            writer.close()
         seconds = time.time() - started_at
         if options.out is not None:
             write_run(options.out, rows, metrics, run_meta(seconds), plan)

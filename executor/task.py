@@ -12,8 +12,11 @@ reward and cost pull against each other, as helpfulness and harmlessness do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from executor.batch import Batch
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 DIGIT0 = 4
@@ -21,6 +24,9 @@ DIGIT0 = 4
 
 @dataclass(frozen=True, slots=True)
 class SortDigits:
+    """The built-in task (``DatasetTask`` in executor/data.py is the user's data): the
+    controller's programs ask either for prompt batches, texts and rows the same way."""
+
     digits: int = 3
     """Digits per prompt."""
     values: int = 5
@@ -88,3 +94,29 @@ class SortDigits:
         """The data row of a prompt, as a dataset would give it: its digits and the answer."""
         digits = [int(t) - DIGIT0 for t in prompt[1:1 + self.digits].tolist()]
         return {"digits": digits, "answer": " ".join(str(d) for d in sorted(digits))}
+
+    # ----- the controller's interface (shared with DatasetTask) -----
+
+    has_rule = True
+    """The task scores responses itself (its rule reward)."""
+    eos_token_id = EOS
+    pad_token_id = PAD
+
+    def prompt_batch(self, count: int, generator: torch.Generator) -> Batch:
+        """``count`` fresh prompts (all of one length: no padding)."""
+        return Batch({"prompts": self.sample(count, generator)})
+
+    def held_out_batch(self, count: int, seed: int = 0) -> Batch:
+        """Held-out prompts, from a generator of their own (the training draws stay as they
+        would be without validation)."""
+        return Batch({"prompts": self.sample(
+            count, torch.Generator().manual_seed(seed + 1_000_003))})
+
+    def rows(self, batch: Batch) -> list[dict[str, Any]]:
+        return [self.row(p) for p in batch["prompts"]]
+
+    def prompt_texts(self, batch: Batch) -> list[str]:
+        return [self.text(p) for p in batch["prompts"]]
+
+    def response_texts(self, responses: torch.Tensor) -> list[str]:
+        return [self.text(r) for r in responses]

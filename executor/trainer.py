@@ -245,9 +245,11 @@ class Trainer:
 
     # ----- forward -----
 
-    def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """log p(token_t | tokens_<t) for t >= 1: shape (batch, tokens - 1), in fp32."""
-        logits = self.model(input_ids)
+    def token_log_probs(self, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(token_t | tokens_<t) for t >= 1: shape (batch, tokens - 1), in fp32
+        (``attention_mask``: 0 on left padding)."""
+        logits = self.model(input_ids, attention_mask)
         targets = input_ids[:, 1:]
         if isinstance(logits, DTensor):
             # Vocabulary-parallel: each rank holds a slice of every position's logits; the
@@ -259,20 +261,26 @@ class Trainer:
         return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(
             -1, targets[..., None]).squeeze(-1)
 
-    def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_values(self, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Value of each prefix (batch, tokens)."""
-        return self.model(input_ids).float()
+        return self.model(input_ids, attention_mask).float()
 
     def micro_batches(self, size: int, micro: int) -> Iterator[slice]:
         for start in range(0, size, micro):
             yield slice(start, min(size, start + micro))
 
     @torch.no_grad()
-    def infer(self, input_ids: torch.Tensor, micro: int, values: bool) -> torch.Tensor:
+    def infer(self, input_ids: torch.Tensor, micro: int, values: bool,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         was_training = self.model.training
         self.model.eval()
-        parts = [self.token_values(input_ids[s]) if values else
-                 self.token_log_probs(input_ids[s])
+
+        def mask(s: slice) -> torch.Tensor | None:
+            return None if attention_mask is None else attention_mask[s]
+
+        parts = [self.token_values(input_ids[s], mask(s)) if values else
+                 self.token_log_probs(input_ids[s], mask(s))
                  for s in self.micro_batches(len(input_ids), micro)]
         if self.fsdp:
             # FSDP2 keeps the root's gathered weights (embedding, head) after a forward that

@@ -710,22 +710,30 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
                    "the last (the validation reward in metrics.csv; 0: never).")
 @click.option("--save-hf", type=click.Path(file_okay=False), default=None,
               help="Write the trained actor to this directory at the end, as a Hugging Face "
-                   "checkpoint (config.json + model.safetensors; Llama-style models).")
+                   "checkpoint (config.json + model.safetensors, and the tokenizer of the "
+                   "job's data; Llama-style models).")
 @click.option("--save-hf-every", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --save-hf, also write the actor every N iterations (0: at the end "
                    "only).")
+@click.option("--save-hf-critic", type=click.Path(file_okay=False), default=None,
+              help="Also write the trained critic there (Hugging Face "
+                   "LlamaForTokenClassification with one label), when --save-hf writes.")
+@click.option("--log", "log_to", type=click.Choice(["tensorboard"]), default=None,
+              help="Also write every iteration's metrics as TensorBoard scalars "
+                   "(RUN/tensorboard).")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str, config: str | None, steps: int, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
             checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
-            save_hf_every: int, as_json: bool) -> None:
-    """Run a plan for real on Ray (the built-in digit-sorting task, tiny models on CPU)."""
+            save_hf_every: int, save_hf_critic: str | None, log_to: str | None,
+            as_json: bool) -> None:
+    """Run a plan for real on Ray: the job's data (data:) or the built-in digit-sorting task."""
     import time as _time
 
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
     try:
-        from executor.run import ExecutionOptions, validate_for_execution
+        from executor.run import ExecutionOptions
         from executor.run import execute as run_plan
     except ImportError as exc:
         raise SpecError(f"the executor needs its extra dependencies ({exc.name} is missing): "
@@ -741,16 +749,16 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                worker_logs=worker_logs,
                                checkpoints=_role_paths(checkpoints, "--checkpoint"),
                                save_hf=Path(save_hf) if save_hf else None,
+                               save_hf_critic=Path(save_hf_critic) if save_hf_critic else None,
+                               log_tensorboard=log_to == "tensorboard",
                                validate_every=validate_every, save_hf_every=save_hf_every,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
-    try:
-        validate_for_execution(job, plan_file, options)
-    except SpecError as exc:
-        raise exc.within(source=plan_path) from None
     from executor.run import RunFailedError
 
-    try:
+    try:  # checks everything (and reads the data) before any worker starts
         result = run_plan(job, plan_file, options)
+    except SpecError as exc:
+        raise exc.within(source=plan_path) from None
     except RunFailedError as exc:
         click.echo(f"hybridflow: run failed: {exc}", err=True)
         sys.exit(1)
@@ -763,8 +771,9 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
     if as_json:
         _emit_json(summary)
     else:
-        mean = sum(summary["iteration_seconds"]) / steps
-        click.echo(f"ran {steps} iterations of {job.algorithm.upper()} on {plan_file.placement} "
+        ran = len(summary["iteration_seconds"])
+        mean = sum(summary["iteration_seconds"]) / max(ran, 1)
+        click.echo(f"ran {ran} iterations of {job.algorithm.upper()} on {plan_file.placement} "
                    f"({plan_file.total_gpus} GPUs) in {result.seconds:.1f} s, {mean:.2f} s per "
                    f"iteration; score {summary['rule_score'][0]:.3f} -> "
                    f"{summary['rule_score'][-1]:.3f}")

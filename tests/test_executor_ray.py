@@ -498,3 +498,99 @@ def test_profile_execute_calibrate_accuracy_loop(tmp_path: Path) -> None:
         r["node"] for r in report["rows"]}
     broken = cli("accuracy", str(tmp_path), "--profile", str(calibrated))
     assert broken.returncode == 2 and "meta.json" in broken.stderr
+
+
+def data_job(tmp_path: Path, algorithm: str, gpus: int, rows: int, epochs: int = 1,
+             **data: object) -> JobSpec:
+    """A job on the user's data: additions with a word-level tokenizer made by the test, a
+    reward function that checks the sum."""
+    from tests.dataset_fixtures import (
+        REWARD_FUNCTION,
+        addition_rows,
+        make_tokenizer,
+        write_jsonl,
+    )
+
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(rows))
+    write_jsonl(tmp_path / "val.jsonl", addition_rows(4, seed=9, chat=True))
+    (tmp_path / "sums.py").write_text(REWARD_FUNCTION)
+    models = {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"}
+    if algorithm == "ppo":
+        models["critic"] = "tiny-2l"
+    work = {"prompts_per_iteration": 4, "prompt_length": 12, "response_length": 3,
+            "mini_batches_per_epoch": 2, "train_micro_batch_size": 4,
+            "infer_micro_batch_size": 4}
+    if algorithm == "grpo":
+        work["samples_per_prompt"] = 2
+    return job_from_mapping({
+        "algorithm": algorithm, "models": models,
+        "cluster": {"nodes": 1, "gpus_per_node": gpus}, "workload": work,
+        "reward_function": {"path": "sums.py"},
+        "data": {"train_files": "train.jsonl", "val_files": "val.jsonl",
+                 "tokenizer": str(tokenizer), "epochs": epochs, **data}},
+        base_dir=tmp_path)
+
+
+def test_grpo_on_the_users_data_with_their_reward_and_tokenizer(tmp_path: Path) -> None:
+    """Prompts of different lengths from a JSONL file, left-padded; the reward function gets
+    the decoded texts and the rows; the response cap holds; the data position advances until
+    the epoch is used up; the actor comes out with the tokenizer, and transformers loads it."""
+    transformers = pytest.importorskip("transformers")
+    j = data_job(tmp_path, "grpo", 1, rows=10)
+    p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
+    saved = tmp_path / "actor-hf"
+    result = run(j, p, tmp_path, steps=4, seed=0, save_hf=saved, validate_every=1)
+    # 10 rows, 4 prompts per iteration, one epoch: two iterations, then the data is used up.
+    assert [m["iteration"] for m in result.metrics] == [0, 1]
+    assert [(m["data_epoch"], m["data_offset"]) for m in result.metrics] == [(0, 0), (0, 4)]
+    meta = json.loads((tmp_path / "run" / "meta.json").read_text())
+    assert meta["data_position"] == {"epoch": 0, "offset": 8, "rows": 10, "seed": 0}
+    assert meta["options"]["task"]["train_prompts"] == 10
+    for m in result.metrics:
+        assert m["response_tokens_max"] <= 3  # the workload's response cap
+        assert 0 < m["prompt_tokens"] <= m["prompt_tokens_max"] <= 12
+        assert 0.0 <= m["score"] <= 1.0 and m["score"] == m["rule_score"]
+        assert 0.0 <= m["val_score"] <= 1.0
+    # Tokens counted without the prompts' padding.
+    generations = [r for r in result.rows if r["node"] == "actor.generate"]
+    lengths = json.loads(result.metrics[0]["response_length_counts"])
+    responses = sum(int(n) * c for n, c in lengths.items())
+    assert generations[0]["tokens"] == pytest.approx(
+        result.metrics[0]["prompt_tokens"] * 8 + responses)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(saved, local_files_only=True)
+    assert tokenizer.chat_template and tokenizer.eos_token == "</s>"
+    model = transformers.LlamaForCausalLM.from_pretrained(saved, torch_dtype=torch.float32)
+    ids = tokenizer("What is 2 + 3 ?", return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=2, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == ids.shape[1] + 2
+    ours = build_model(MODEL_PRESETS["tiny-2l"], checkpoint=saved).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ours(ids), atol=1e-5)
+
+
+def test_ppo_on_the_users_data_under_tensor_parallelism_writes_the_critic(
+        tmp_path: Path) -> None:
+    """Left-padded prompts through DTensor tensor parallelism (training, inference and
+    generation at tp 2); the critic is written as a token-classification checkpoint whose
+    values transformers reproduces."""
+    transformers = pytest.importorskip("transformers")
+    j = data_job(tmp_path, "ppo", 2, rows=16, epochs=2, prompt_too_long="truncate",
+                 max_prompt_length=7)
+    roles = ("actor", "critic", "ref")
+    p = plan(j, [(roles, 2)], {r: (2, 1, "none") for r in roles}, gen_tp=2)
+    critic_dir = tmp_path / "critic-hf"
+    result = run(j, p, tmp_path, steps=5, seed=1, save_hf=tmp_path / "actor-hf",
+                 save_hf_critic=critic_dir)
+    # 16 rows, 4 per iteration, 2 epochs: all 5 iterations run, the second epoch reshuffled.
+    assert [(m["data_epoch"], m["data_offset"]) for m in result.metrics] == [
+        (0, 0), (0, 4), (0, 8), (0, 12), (1, 0)]
+    assert all(m["prompt_tokens_max"] <= 7 for m in result.metrics)  # truncated
+    assert all(abs(m["critic_value_loss"]) < 1e3 for m in result.metrics)
+    critic = transformers.LlamaForTokenClassification.from_pretrained(
+        critic_dir, torch_dtype=torch.float32)
+    ours = build_model(MODEL_PRESETS["tiny-2l"], value_head=True, checkpoint=critic_dir).eval()
+    ids = torch.tensor([[8, 9, 30, 10, 31, 8]])
+    with torch.no_grad():
+        assert torch.allclose(critic(ids).logits.squeeze(-1), ours(ids), atol=1e-5)

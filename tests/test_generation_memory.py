@@ -322,9 +322,9 @@ def _record_waves(engine: GenerationEngine, monkeypatch: pytest.MonkeyPatch) -> 
     sizes: list[int] = []
     inner = engine._generate_wave
 
-    def recording(prompts, params, generator):
+    def recording(prompts, params, generator, prompt_mask=None):
         sizes.append(prompts.shape[0])
-        return inner(prompts, params, generator)
+        return inner(prompts, params, generator, prompt_mask)
 
     monkeypatch.setattr(engine, "_generate_wave", recording)
     return sizes

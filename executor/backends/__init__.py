@@ -43,7 +43,8 @@ class GenerationBackend(Protocol):
     def unload(self) -> None: ...
 
     def generate(self, prompts: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> GenerationOutput: ...
+                 generator: torch.Generator,
+                 prompt_mask: torch.Tensor | None = None) -> GenerationOutput: ...
 
 
 TRAINING_BACKENDS: dict[str, str] = {"torch": "torch FSDP2 / DTensor training",

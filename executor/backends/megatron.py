@@ -410,13 +410,25 @@ class _Computed:
                 "in its pipeline schedule (a loss over a second input, such as PPO-ptx's "
                 "pretraining batch, needs the torch backend)")
 
-    def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_log_probs(self, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        _no_padding(attention_mask)
         self._check(input_ids, self._log_probs, "log-probs")
         return self._log_probs  # type: ignore[return-value]
 
-    def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_values(self, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        _no_padding(attention_mask)
         self._check(input_ids, self._values, "values")
         return self._values  # type: ignore[return-value]
+
+
+def _no_padding(attention_mask: torch.Tensor | None) -> None:
+    """The Megatron backend runs sequences without padding masks (the executor refuses jobs
+    with left-padded prompts on it before any worker starts)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("the Megatron backend does not take left-padded prompts "
+                                  "(data: jobs); train this role with the torch backend")
 
 
 class MegatronTrainer:
@@ -558,9 +570,11 @@ class MegatronTrainer:
     # ----- TrainingBackend -----
 
     @torch.no_grad()
-    def infer(self, input_ids: torch.Tensor, micro: int, values: bool) -> torch.Tensor:
+    def infer(self, input_ids: torch.Tensor, micro: int, values: bool,
+              attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
+        _no_padding(attention_mask)
         parts = [{"input_ids": input_ids[s:s + micro]}
                  for s in range(0, len(input_ids), micro)]
         results: list[torch.Tensor] = []
@@ -577,11 +591,15 @@ class MegatronTrainer:
         out = torch.cat(results) if ps.is_pipeline_last_stage() else None
         return self._broadcast_from_last_stage(out, (len(input_ids), width))
 
-    def token_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.infer(input_ids, len(input_ids), values=False)
+    def token_log_probs(self, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.infer(input_ids, len(input_ids), values=False,
+                          attention_mask=attention_mask)
 
-    def token_values(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.infer(input_ids, len(input_ids), values=True)
+    def token_values(self, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.infer(input_ids, len(input_ids), values=True,
+                          attention_mask=attention_mask)
 
     def step(self, batches: list[dict[str, torch.Tensor]], loss_fn: Any) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches with the algorithm's loss

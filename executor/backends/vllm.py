@@ -162,15 +162,22 @@ class VLLMEngine:
     # ----- generation -----
 
     def generate(self, prompts: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator) -> GenerationOutput:
+                 generator: torch.Generator,
+                 prompt_mask: torch.Tensor | None = None) -> GenerationOutput:
         """Sample up to ``max_new_tokens`` per prompt with per-token log-probs; padded like the
-        native engine's output (responses end at EOS, pad after it)."""
+        native engine's output (responses end at EOS, pad after it). Left padding of the
+        prompts (0 in ``prompt_mask``) is not sent: vLLM takes each prompt at its length."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         batch = prompts.shape[0]
         seeds = torch.randint(0, 2**31 - 1, (batch,), generator=generator,
                               device=generator.device).tolist()
-        requests = [{"prompt_token_ids": row} for row in prompts.cpu().tolist()]
+        rows = prompts.cpu().tolist()
+        if prompt_mask is not None:
+            keep = prompt_mask.cpu().bool().tolist()
+            rows = [[t for t, k in zip(row, mask, strict=True) if k]
+                    for row, mask in zip(rows, keep, strict=True)]
+        requests = [{"prompt_token_ids": row} for row in rows]
         sampling = [VLLMSamplingParams(
             n=1, max_tokens=params.max_new_tokens,
             temperature=0.0 if params.greedy else params.temperature,

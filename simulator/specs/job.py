@@ -10,6 +10,7 @@ from typing import Any, Literal
 from profiles.datafile import SpecError, from_mapping, read_mapping, require
 from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
 from simulator.specs.cluster import ClusterSpec
+from simulator.specs.data import DataSpec, parse_data
 from simulator.specs.dataflow import (
     CONTROLLER,
     RULE_ROLES,
@@ -143,6 +144,12 @@ class JobSpec:
     the rollout engine's behaviour, offload and fixed costs."""
     reward_function: RewardFunction | None = None
     """The user's reward function, for ``reward: rule`` (None: the task's own rule)."""
+    data: DataSpec | None = None
+    """Where ``hybridflow execute`` takes its prompts from (None: the built-in task)."""
+    model_paths: dict[str, str] = field(default_factory=dict)
+    """Role -> the Hugging Face checkpoint directory (or config.json) its model was read
+    from, when it was given as a path: the executor starts the role from that checkpoint and
+    takes the tokenizer from there."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
@@ -306,7 +313,8 @@ class JobSpec:
         return {
             "name": self.name,
             "algorithm": self.algorithm,
-            "models": {role: model_value(m) for role, m in self.models.items()},
+            "models": {role: self.model_paths.get(role) or model_value(m)
+                       for role, m in self.models.items()},
             "cluster": self.cluster.to_value(),
             "workload": workload,
             "parallel": {r: p.set_fields() for r, p in self.parallel.items()},
@@ -314,6 +322,7 @@ class JobSpec:
             "framework": self.framework,
             **({"reward_function": to_mapping(self.reward_function)}
                if self.reward_function is not None else {}),
+            **({"data": to_mapping(self.data)} if self.data is not None else {}),
         }
 
 
@@ -351,7 +360,7 @@ def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
 
 
 _JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
-             "framework", "reward_function")
+             "framework", "reward_function", "data")
 
 
 def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
@@ -370,9 +379,13 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
             raise SpecError(f"expected a mapping of role -> model, got {raw_models!r}",
                             key="models")
         models: dict[str, Any] = {}
+        model_paths: dict[str, str] = {}
         for role, value in raw_models.items():
             models[role] = RULE if value == RULE else load_model(
                 value, base_dir=base_dir, key=f"models.{role}")
+            path = checkpoint_path(value, base_dir)
+            if path is not None:
+                model_paths[role] = path
         raw_workload = data.get("workload") or {}
         if not isinstance(raw_workload, dict):
             raise SpecError(f"expected a mapping, got {raw_workload!r}", key="workload")
@@ -416,12 +429,32 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
             if base_dir is not None and not Path(reward_function.path).is_absolute():
                 reward_function = RewardFunction(path=str(base_dir / reward_function.path),
                                                  name=reward_function.name)
+        data_spec = parse_data(data["data"], base_dir) if data.get("data") is not None \
+            else None
         return JobSpec(algorithm=algorithm, models=models,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
                        parallel=parallel, backends=backends, name=name, framework=framework,
-                       reward_function=reward_function)
+                       reward_function=reward_function, data=data_spec,
+                       model_paths=model_paths)
     except SpecError as exc:
         raise exc.within(source=source) from None
+
+
+def checkpoint_path(value: Any, base_dir: Path | None) -> str | None:
+    """The absolute directory of a model given as a Hugging Face checkpoint directory or its
+    config.json (None for presets, spec files and inline mappings)."""
+    from simulator.specs.presets import MODEL_PRESETS
+
+    if not isinstance(value, str) or value in MODEL_PRESETS or value == RULE:
+        return None
+    path = Path(value)
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if path.is_dir():
+        return str(path.resolve())
+    if path.suffix == ".json" and path.is_file():
+        return str(path.resolve().parent)
+    return None
 
 
 def load_job(path: str | Path) -> JobSpec:

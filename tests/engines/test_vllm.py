@@ -48,6 +48,24 @@ def test_greedy_output_equals_the_native_generator(engines) -> None:
     assert torch.allclose(theirs.log_probs, ours.log_probs, atol=LOG_PROB_TOLERANCE)
 
 
+def test_left_padded_prompts_generate_as_the_native_generator(engines) -> None:
+    """Prompts of different lengths (the user's data): vLLM takes each at its own length, the
+    native generator masks the padding; both generate the same."""
+    vllm_engine, native, weights = engines
+    vllm_engine.load(weights)
+    native.load(weights)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1],
+                         [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    prompts = PROMPTS * mask  # pad id 0 on the left
+    ours = native.generate(prompts, GREEDY, torch.Generator().manual_seed(0), prompt_mask=mask)
+    theirs = vllm_engine.generate(prompts, GREEDY, torch.Generator().manual_seed(0),
+                                  prompt_mask=mask)
+    assert theirs.responses.tolist() == ours.responses.tolist()
+    assert torch.allclose(theirs.log_probs, ours.log_probs, atol=LOG_PROB_TOLERANCE)
+    alone = native.generate(PROMPTS[2:3, 4:], GREEDY, torch.Generator().manual_seed(0))
+    assert ours.responses[2].tolist() == alone.responses[0].tolist()
+
+
 def test_a_weight_sync_changes_the_outputs_accordingly(engines) -> None:
     """After an update the engine generates what the native engine generates with the new
     weights, and not what it generated before."""
