@@ -53,6 +53,8 @@ class Run:
     """iteration -> {response length: count}."""
     greedy_counts: dict[int, dict[int, int]] = field(default_factory=dict)
     """iteration -> {greedy response length: count} (ReMax)."""
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    """iteration -> mean prompt length in tokens, where prompts differ (the user's data)."""
 
     @property
     def label(self) -> str:
@@ -120,6 +122,8 @@ def load_run(directory: str | Path) -> Run:
     plan = plan_from_mapping(meta["plan"], source=f"{meta_path} (plan)")
     job = job_from_mapping(meta["job"], source=f"{meta_path} (job)")
     task = meta["options"].get("task", {})
+    # The built-in task's prompts are BOS, its digits and SEP; the user's data's come from
+    # each iteration's measured prompt tokens.
     prompt_length = int(task.get("digits", 3)) + 2
     rows = _read_csv(path / "measurements.csv", MEASUREMENT_FIELDS,
                      optional=("compute_seconds",))
@@ -128,7 +132,15 @@ def load_run(directory: str | Path) -> Run:
                                                "response_length_counts": str})
     counts: dict[int, dict[int, int]] = {}
     greedy: dict[int, dict[int, int]] = {}
+    prompts: dict[int, int] = {}
     for line, row in enumerate(metrics, start=2):
+        if "data" in task and row.get("prompt_tokens"):
+            try:
+                prompts[row["iteration"]] = max(1, round(float(row["prompt_tokens"])))
+            except ValueError:
+                raise SpecError(f"line {line}: prompt_tokens: expected a number, got "
+                                f"{row['prompt_tokens']!r}",
+                                source=str(path / "metrics.csv")) from None
         for column, target in (("response_length_counts", counts),
                                ("greedy_length_counts", greedy)):
             if not row.get(column):
@@ -140,7 +152,8 @@ def load_run(directory: str | Path) -> Run:
                 raise SpecError(f"line {line}: {column}: not a JSON mapping of length -> "
                                 "count", source=str(path / "metrics.csv")) from None
     return Run(path=path, plan=plan, job=job, prompt_length=prompt_length,
-               measurements=measurements, length_counts=counts, greedy_counts=greedy)
+               measurements=measurements, length_counts=counts, greedy_counts=greedy,
+               prompt_tokens=prompts)
 
 
 def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> JobSpec:
@@ -150,7 +163,8 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
         raise SpecError(f"no response lengths for iteration {iteration}",
                         source=str(run.path / "metrics.csv"))
     greedy = run.greedy_counts.get(iteration)
-    workload = replace(run.job.workload, prompt_length=run.prompt_length,
+    workload = replace(run.job.workload,
+                       prompt_length=run.prompt_tokens.get(iteration, run.prompt_length),
                        response_length=_empirical(counts),
                        greedy_response_length=_empirical(greedy) if greedy else None)
     rule_cost = _rule_seconds_per_sample(run, iteration)

@@ -163,7 +163,8 @@ def test_the_data_section_of_a_job(tmp_path: Path, tokenizer_dir: Path) -> None:
     job = job_from_mapping({**base, "data": {"train_files": "train.jsonl",
                                              "tokenizer": str(tokenizer_dir)}},
                            base_dir=tmp_path)
-    assert job.data is not None and job.data.train_files == (str(tmp_path / "train.jsonl"),)
+    assert job.data is not None
+    assert job.data.train_files == (str((tmp_path / "train.jsonl").resolve()),)
     again = job_from_mapping(job.to_value())
     assert again.data == job.data
     for data, key, problem in [

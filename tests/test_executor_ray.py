@@ -558,6 +558,15 @@ def test_grpo_on_the_users_data_with_their_reward_and_tokenizer(tmp_path: Path) 
     responses = sum(int(n) * c for n, c in lengths.items())
     assert generations[0]["tokens"] == pytest.approx(
         result.metrics[0]["prompt_tokens"] * 8 + responses)
+    # Predicted vs measured (and calibration) price each iteration's own prompt lengths.
+    from planner.calibration import iteration_job, load_run, run_summary
+
+    loaded = load_run(tmp_path / "run")
+    assert loaded.prompt_tokens[1] == round(result.metrics[1]["prompt_tokens"])
+    assert iteration_job(loaded, 1, "cpu-2core").workload.prompt_length == \
+        loaded.prompt_tokens[1]
+    assert {r["node"] for r in run_summary(loaded, j.cluster.profile())} >= {
+        "actor.generate", "iteration"}
     tokenizer = transformers.AutoTokenizer.from_pretrained(saved, local_files_only=True)
     assert tokenizer.chat_template and tokenizer.eos_token == "</s>"
     model = transformers.LlamaForCausalLM.from_pretrained(saved, torch_dtype=torch.float32)

@@ -73,7 +73,7 @@ class DataSpec:
             if not path.is_file():
                 what = "a directory, expected a file" if path.is_dir() else "file not found"
                 raise SpecError(f"{what}: {path}", key=key)
-            return str(path)
+            return str(path.resolve())  # a plan that embeds the job runs from anywhere
 
         tokenizer = self.tokenizer
         if tokenizer is not None:
@@ -82,7 +82,7 @@ class DataSpec:
                 path = base_dir / path
             if not path.is_dir():
                 raise SpecError(f"not a directory: {path}", key="data.tokenizer")
-            tokenizer = str(path)
+            tokenizer = str(path.resolve())
         return DataSpec(
             train_files=tuple(resolve(n, f"data.train_files[{i}]")
                               for i, n in enumerate(self.train_files)),
