@@ -183,3 +183,97 @@ def test_the_data_section_of_a_job(tmp_path: Path, tokenizer_dir: Path) -> None:
         assert caught.value.key == key and problem in caught.value.problem
     with pytest.raises(SpecError, match="expected a mapping with train_files"):
         parse_data("train.jsonl", tmp_path)
+
+
+def test_a_model_given_as_a_checkpoint_directory_brings_weights_and_tokenizer(
+        tmp_path: Path, tokenizer_dir: Path) -> None:
+    import shutil
+
+    import torch
+
+    from executor.model import build_model, write_hf_checkpoint
+    from executor.run import ExecutionOptions, effective_checkpoints, validate_for_execution
+    from simulator.default_plan import colocate_plan
+    from simulator.specs.presets import MODEL_PRESETS
+    from tests.dataset_fixtures import make_tokenizer
+
+    spec = MODEL_PRESETS["tiny-2l"]
+    model = build_model(spec, seed=3)
+    checkpoint = write_hf_checkpoint(tmp_path / "my-model", spec, model.state_dict(),
+                                     torch.float32)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, checkpoint / name)
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
+    (tmp_path / "sums.py").write_text("def compute_score(p, r, row):\n    return 0.0\n")
+    mapping = {"algorithm": "grpo",
+               "models": {"actor": "my-model", "ref": "my-model", "reward": "rule"},
+               "cluster": {"nodes": 1, "gpus_per_node": 1},
+               "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
+                            "mini_batches_per_epoch": 1, "prompt_length": 16,
+                            "response_length": 4},
+               "reward_function": {"path": "sums.py"},
+               "data": {"train_files": "train.jsonl"}}
+    job = job_from_mapping(mapping, base_dir=tmp_path)
+    assert job.model_paths == {"actor": str(checkpoint.resolve()),
+                               "ref": str(checkpoint.resolve())}
+    assert job_from_mapping(job.to_value()).model_paths == job.model_paths  # round trip
+    options = ExecutionOptions()
+    assert effective_checkpoints(job, options) == job.model_paths
+    task = validate_for_execution(job, colocate_plan(job), options)
+    assert task.tokenizer_directory == str(checkpoint.resolve())
+    # A reference whose checkpoint carries another tokenizer reads other words: refused.
+    other = write_hf_checkpoint(tmp_path / "other", spec, model.state_dict(), torch.float32)
+    make_tokenizer(other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace(
+        '"What"', '"Which"'))
+    mixed = job_from_mapping({**mapping, "models": {**mapping["models"], "ref": "other"}},
+                             base_dir=tmp_path)
+    with pytest.raises(SpecError, match=r"ref's tokenizer .* differs from the one the prompts"):
+        validate_for_execution(mixed, colocate_plan(mixed), options)
+    # No tokenizer anywhere: one line saying where one is expected.
+    bare = job_from_mapping({**mapping, "models": {"actor": "tiny-2l", "ref": "tiny-2l",
+                                                   "reward": "rule"}}, base_dir=tmp_path)
+    with pytest.raises(SpecError, match=r"no tokenizer: give data\.tokenizer"):
+        validate_for_execution(bare, colocate_plan(bare), options)
+
+
+@pytest.mark.parametrize(("change", "options", "key", "problem"), [
+    ({"algorithm": "safe-rlhf"}, {}, "data", "Safe-RLHF's cost rule"),
+    ({"reward_function": None}, {}, "data", "give reward_function"),
+    ({"models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "tiny-2l"},
+      "reward_function": None}, {}, "models.reward", "must start from its trained weights"),
+    ({"backends": {"actor": {"training": "megatron"}}}, {}, "data",
+     "the Megatron backend does not take yet"),
+    ({}, {"validate_every": 2}, "--validate-every", "give data.val_files"),
+])
+def test_jobs_the_data_cannot_run_are_refused_before_workers_start(
+        tmp_path: Path, tokenizer_dir: Path, change: dict, options: dict, key: str,
+        problem: str) -> None:
+    from executor.run import ExecutionOptions, validate_for_execution
+    from simulator.default_plan import colocate_plan
+
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
+    (tmp_path / "sums.py").write_text("def compute_score(p, r, row):\n    return 0.0\n")
+    mapping = {"algorithm": "grpo",
+               "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
+               "cluster": {"nodes": 1, "gpus_per_node": 1},
+               "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
+                            "mini_batches_per_epoch": 1, "prompt_length": 16},
+               "reward_function": {"path": "sums.py"},
+               "data": {"train_files": "train.jsonl", "tokenizer": str(tokenizer_dir)}}
+    mapping.update(change)
+    if mapping["algorithm"] == "safe-rlhf":
+        mapping["models"] = {r: "tiny-2l" for r in ("actor", "critic", "ref", "cost")}
+        mapping["models"]["reward"] = "rule"
+        mapping["workload"] = {k: v for k, v in mapping["workload"].items()
+                               if k != "samples_per_prompt"}
+    job = job_from_mapping({k: v for k, v in mapping.items() if v is not None},
+                           base_dir=tmp_path)
+    plan = colocate_plan(job)
+    if "backends" in change:
+        from dataclasses import replace
+        plan = replace(plan, roles={r: replace(rp, training_backend="megatron")
+                                    for r, rp in plan.roles.items()})
+    with pytest.raises(SpecError) as caught:
+        validate_for_execution(job, plan, ExecutionOptions(**options))
+    assert caught.value.key == key and problem in str(caught.value)
