@@ -135,6 +135,28 @@ class Role:
                                 extra_files=batch.meta.get("files"))
         return Batch(meta={"written": float(dist.get_rank() == 0)})
 
+    @protocol(Protocol.ONE_TO_ALL)
+    def save_checkpoint(self, batch: Batch) -> Batch:
+        """Write this role's training state (weights, master weights, optimizer states) to
+        ``batch.meta["directory"]`` with torch distributed checkpointing; every rank writes
+        its own pieces."""
+        from executor import checkpoint
+
+        written = checkpoint.save(self.trainer, batch.meta["directory"])
+        return Batch(meta={"bytes": float(written)})
+
+    @protocol(Protocol.ONE_TO_ALL)
+    def load_checkpoint(self, batch: Batch) -> Batch:
+        """Fill this role's training state from ``batch.meta["directory"]``."""
+        from executor import checkpoint
+
+        checkpoint.load(self.trainer, batch.meta["directory"])
+        self.after_load()
+        return Batch(meta={"loaded": 1.0})
+
+    def after_load(self) -> None:
+        """What a role refreshes after its weights changed outside an update."""
+
     @protocol(Protocol.DP)
     def echo(self, batch: Batch) -> Batch:
         """Return the input: measures what a call costs besides compute."""

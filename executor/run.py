@@ -4,16 +4,15 @@ algorithm's controller program for N iterations, write the records."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from executor.algorithms import RLConfig
 from executor.hybrid_engine import TransitionMode
 from executor.task import SortDigits
-from profiles.datafile import SpecError, to_mapping
+from profiles.datafile import SpecError
 from simulator.plan import Plan
 from simulator.predict import VALUE_HEAD_ROLES
 from simulator.specs.job import JobSpec
@@ -62,6 +61,15 @@ class ExecutionOptions:
     log_tensorboard: bool = False
     """Also write every iteration's metrics as TensorBoard scalars (the run directory's
     ``tensorboard/``)."""
+    checkpoint_every: int = 0
+    """Save the trained roles' weights and optimizer states, the data position, the random
+    generators' states and the records every this many iterations (0: never)."""
+    resume: Path | None = None
+    """Continue the run in this directory from its last checkpoint (its plan, job and
+    options; ``steps`` may be raised)."""
+    max_restarts: int = 2
+    """After a worker fails, restart the worker groups from the last checkpoint (or the
+    start) at most this many times, then fail."""
     checkpoints: dict[str, str] = field(default_factory=dict)
     """role -> local Hugging Face checkpoint directory its model starts from (the reference
     takes the actor's when it has none of its own and the same model)."""
@@ -408,230 +416,9 @@ def _python_path() -> list[str]:
 
 
 def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
-    """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm."""
-    import torch
+    """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm (from a saved
+    checkpoint with ``options.resume``): checks everything before a worker starts, then
+    drives the controller's program (``executor.session``)."""
+    from executor.session import RunSession
 
-    from executor.batch import Batch
-    from executor.controller import RoleHandle, WorkerFailedError, WorkerGroup
-    from executor.data import DataExhaustedError
-    from executor.drivers import DRIVERS, Context, fit_reward_model, validation_scores
-    from executor.placement import gpu_nodes, map_plan_nodes
-    from executor.protocols import RankLayout
-    from executor.records import machine, measurement_rows, versions, write_run
-    from executor.reward_function import RewardFunctionError, load_reward_function
-
-    task = validate_for_execution(job, plan, options)
-    configs = role_configs(job, plan, options, task)
-    checkpoints = effective_checkpoints(job, options)
-    say = options.log or (lambda _message: None)
-    started_at = time.time()
-    ray, started_ray = _start_ray(plan, options.address, options.worker_logs)
-    groups: list[WorkerGroup] = []
-    try:
-        say(f"starting {plan.total_gpus} workers in {len(plan.sets)} colocated set(s)")
-        if job.framework_profile.offload.params:
-            say(f"the {job.framework} profile also offloads parameters; the executor keeps "
-                "them on the GPUs (it offloads optimizer states and gradients)")
-        node_map = map_plan_nodes(plan, job.cluster.gpus_per_node, gpu_nodes(ray.nodes()),
-                                  local=options.address is None)
-        if node_map.shared_machine:
-            say("the plan's nodes all run on this machine's one Ray node (a local run: its "
-                "node layout is not reproduced)")
-        groups = [WorkerGroup(ray, i, s, options.worker_setup,
-                              node_map.bundle_nodes(plan, i, job.cluster.gpus_per_node))
-                  for i, s in enumerate(plan.sets)]
-        worker_code = ray.get(groups[0].workers[0].code_location.remote())
-        for role in job.gpu_roles:
-            if plan.roles[role].parallel.tp > 1:
-                groups[plan.set_index(role)].check_groups_share_nodes(
-                    plan.roles[role].parallel.tp, f"{role}'s tp={plan.roles[role].parallel.tp}")
-        for group in groups:
-            for role in group.colocated.roles:
-                group.build(configs[role])
-        node_names = {"generate": "generate", "values": "infer", "log_probs": "infer",
-                      "scores": "infer", "update": "train"}
-        records: list = []
-        backends = effective_backends(job, plan)
-        handles = {}
-        for role in job.gpu_roles:
-            rp = plan.roles[role]
-            layout = RankLayout(world=rp.parallel.world_size, dp=rp.parallel.dp,
-                                tp=rp.parallel.tp, pp=rp.parallel.pp,
-                                gen_tp=rp.generation.tp if rp.generation else 1)
-            names = {m: f"{role}.{op}" for m, op in node_names.items()}
-            handles[role] = RoleHandle(groups[plan.set_index(role)], role, layout,
-                                       records.append, names)
-        work = job.workload
-        if job.data is not None:
-            say(f"data: {len(task.train)} training prompts"
-                + (f", {len(task.val)} held out" if task.val else "")
-                + f" (longest {task.prompt_length} tokens"
-                + (f"; {task.train.dropped} longer ones left out" if task.train.dropped else "")
-                + (f"; {task.train.truncated} truncated" if task.train.truncated else "")
-                + f"), tokenizer {task.tokenizer_directory}")
-        ctx = Context(handles=handles, task=task, rl=configs["actor"].rl,
-                      prompts_per_iteration=work.prompts_per_iteration,
-                      samples_per_prompt=work.samples_per_prompt,
-                      reward_from_model="reward" in handles,
-                      cost_from_model="cost" in handles,
-                      multiplier=options.rl.lambda_init,
-                      reward_function=None if job.reward_function is None else
-                      load_reward_function(job.reward_function.path,
-                                           job.reward_function.name),
-                      generator=torch.Generator().manual_seed(options.seed))
-        ctx.records = records
-        warmup: list[float] = []
-        cost_warmup: list[float] = []
-        if ctx.reward_from_model and options.reward_warmup_steps > 0 and task.has_rule:
-            warmup = fit_reward_model(ctx, options.reward_warmup_steps,
-                                      work.prompts_per_iteration)
-            say(f"reward model fitted to the rule: loss {warmup[0]:.4f} -> {warmup[-1]:.4f}")
-        if ctx.cost_from_model and options.reward_warmup_steps > 0 and task.has_rule:
-            cost_warmup = fit_reward_model(ctx, options.reward_warmup_steps,
-                                           work.prompts_per_iteration, role="cost")
-            say(f"cost model fitted to the rule: loss {cost_warmup[0]:.4f} -> "
-                f"{cost_warmup[-1]:.4f}")
-        records.clear()
-        driver = DRIVERS[job.algorithm]
-        held_out = task.held_out_batch(work.prompts_per_iteration, options.seed) \
-            if job.data is None else task.held_out_batch(work.prompts_per_iteration)
-        rows: list[dict[str, Any]] = []
-        metrics: list[dict[str, Any]] = []
-        origin = time.time()
-        def run_meta(seconds: float) -> dict[str, Any]:
-            return {"plan": plan.to_value(), "job": job.to_value(),
-                    "options": {"steps": options.steps, "seed": options.seed,
-                                "transition": options.transition,
-                                "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                                "rl": to_mapping(options.rl),
-                                "task": to_mapping(options.task) if job.data is None else
-                                {"data": to_mapping(job.data),
-                                 "tokenizer": task.tokenizer_directory,
-                                 "train_prompts": len(task.train),
-                                 "dropped": task.train.dropped,
-                                 "truncated": task.train.truncated},
-                                "reward_warmup_steps": options.reward_warmup_steps,
-                                "checkpoints": dict(checkpoints),
-                                "validate_every": options.validate_every,
-                                "save_hf": str(options.save_hf) if options.save_hf else None,
-                                "save_hf_critic": str(options.save_hf_critic)
-                                if options.save_hf_critic else None},
-                    "reward_warmup_losses": warmup, "cost_warmup_losses": cost_warmup,
-                    **({"data_position": task.cursor.state} if job.data is not None else {}),
-                    "versions": versions(),
-                    "machine": machine(), "seconds": seconds,
-                    "worker_code": worker_code,
-                    "node_map": {str(k): n.node_id for k, n in node_map.nodes.items()},
-                    "worker_nodes": [group.nodes for group in groups],
-                    "clock_offsets_seconds": [
-                        [{"offset": o, "uncertainty": u} for o, u in group.clock_offsets]
-                        for group in groups],
-                    "ray_address": options.address or (
-                        "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
-
-        def fail(failure: Exception, iteration: int, finished: int) -> NoReturn:
-            """Write the records of the ``finished`` iterations and raise RunFailedError."""
-            where = ""
-            if options.out is not None:
-                meta = run_meta(time.time() - started_at)
-                meta["failure"] = (
-                    {"iteration": iteration, "operation": failure.operation,
-                     "set": failure.location, "rank": failure.rank, "cause": failure.cause}
-                    if isinstance(failure, WorkerFailedError) else
-                    # The user's reward function runs on the controller.
-                    {"iteration": iteration, "operation": "reward function",
-                     "set": "controller", "rank": None, "cause": str(failure)})
-                write_run(options.out, rows, metrics, meta, plan)
-                where = f"; records of the {finished} finished iteration(s) in {options.out}"
-            raise RunFailedError(f"{failure}{where}") from None
-
-        tokenizer_files = hf_tokenizer_files(task) if job.data is not None else {}
-
-        def save_hf_checkpoints() -> None:
-            """The actor (and the critic when asked) as Hugging Face checkpoints, with the
-            tokenizer the prompts were tokenized with."""
-            for role, directory in (("actor", options.save_hf),
-                                    ("critic", options.save_hf_critic)):
-                if directory is not None:
-                    handles[role].save_hf(Batch(meta={
-                        "directory": str(directory), "files": tokenizer_files})).result()
-
-        writer = None
-        if options.log_tensorboard and options.out is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=str(options.out / "tensorboard"))
-        finished = options.steps
-        for iteration in range(options.steps):
-            records.clear()
-            start = time.time()
-            position = task.cursor.state if job.data is not None else None
-            try:
-                summary = driver(ctx, iteration)
-            except (WorkerFailedError, RewardFunctionError) as failure:
-                # Keep what finished; the failed iteration's partial calls are left out.
-                fail(failure, iteration, finished=iteration)
-            except DataExhaustedError as exhausted:
-                say(f"{exhausted}: the run ends after {iteration} iteration(s)")
-                finished = iteration
-                break
-            end = time.time()
-            rows.extend(measurement_rows(list(records), iteration, plan, origin, backends))
-            rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
-                         "operation": "iteration", "location": -1, "set": "controller",
-                         "gpus": plan.total_gpus, "parallel": plan.placement,
-                         "sequences": 0, "tokens": sum(r.tokens for r in records
-                                                       if r.operation == "generate"),
-                         "start_seconds": start - origin, "end_seconds": end - origin,
-                         "wall_seconds": end - start, "compute_seconds": None,
-                         "dispatch_seconds": None})
-            tokens = sum(r.tokens for r in records if r.operation == "generate")
-            metrics.append({"iteration": iteration, "seconds": end - start, **summary,
-                            "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                            "tokens_per_s": tokens / (end - start),
-                            **({"data_epoch": position["epoch"],
-                                "data_offset": position["offset"]} if position else {})})
-            if writer is not None:
-                for name, value in metrics[-1].items():
-                    if isinstance(value, (int, float)) and name != "iteration":
-                        writer.add_scalar(name, value, iteration)
-                writer.flush()
-            try:  # after the iteration's records: a checkpoint, a validation
-                if options.save_hf_every and (iteration + 1) % options.save_hf_every == 0 \
-                        and iteration + 1 < options.steps:
-                    save_hf_checkpoints()
-                if options.validate_every and ((iteration + 1) % options.validate_every == 0
-                                               or iteration + 1 == options.steps):
-                    metrics[-1].update(validation_scores(ctx, held_out, iteration))
-                    summary = {**summary, "val_score": metrics[-1]["val_score"]}
-            except (WorkerFailedError, RewardFunctionError) as failure:
-                fail(failure, iteration, finished=iteration + 1)
-            constraint = (f", cost {summary['rule_cost']:.2f}, lambda {summary['lambda']:.3f}"
-                          if "lambda" in summary else "")
-            remaining = (time.time() - origin) / (iteration + 1) * (options.steps - iteration - 1)
-            validation = (f", validation {summary['val_score']:.3f}"
-                          if "val_score" in summary else "")
-            say(f"iteration {iteration + 1}/{options.steps}: {end - start:.2f} s, score "
-                f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
-                f"{validation}"
-                f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
-        if options.save_hf is not None or options.save_hf_critic is not None:
-            try:
-                save_hf_checkpoints()
-            except WorkerFailedError as failure:
-                fail(failure, finished - 1, finished=finished)
-            for role, directory in (("actor", options.save_hf),
-                                    ("critic", options.save_hf_critic)):
-                if directory is not None:
-                    say(f"{role} written as a Hugging Face checkpoint to {directory}")
-        if writer is not None:
-            writer.close()
-        seconds = time.time() - started_at
-        if options.out is not None:
-            write_run(options.out, rows, metrics, run_meta(seconds), plan)
-        return RunResult(rows=rows, metrics=metrics, out=options.out, seconds=seconds)
-    finally:
-        for group in groups:
-            group.shutdown()
-        if started_ray:
-            ray.shutdown()
+    return RunSession(job, plan, options).run()

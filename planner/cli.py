@@ -676,10 +676,12 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 
 
 @cli.command()
-@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.argument("plan_path", metavar="[PLAN.json]", required=False,
+                type=click.Path(dir_okay=False))
 @click.option("--config", type=click.Path(dir_okay=False), default=None,
               help="Job YAML (default: the job stored in the plan).")
-@click.option("--steps", type=click.IntRange(min=1), required=True, help="RL iterations.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="RL iterations (with --resume: the total to reach; default: the run's).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/<time>-<placement>).")
 @click.option("--address", default=None,
@@ -721,20 +723,36 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 @click.option("--log", "log_to", type=click.Choice(["tensorboard"]), default=None,
               help="Also write every iteration's metrics as TensorBoard scalars "
                    "(RUN/tensorboard).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Save the trained roles, the data position, the generators' states and "
+                   "the records every N iterations (RUN/checkpoints; 0: never).")
+@click.option("--resume", "resume", type=click.Path(file_okay=False), default=None,
+              metavar="RUN", help="Continue RUN from its last checkpoint (its plan, job and "
+                                  "options; --steps may raise the total).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Restart the workers from the last checkpoint after a worker fails, at "
+                   "most this many times.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
-def execute(plan_path: str, config: str | None, steps: int, out: str | None,
+def execute(plan_path: str | None, config: str | None, steps: int | None, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
             checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
             save_hf_every: int, save_hf_critic: str | None, log_to: str | None,
+            checkpoint_every: int, resume: str | None, max_restarts: int,
             as_json: bool) -> None:
     """Run a plan for real on Ray: the job's data (data:) or the built-in digit-sorting task."""
     import time as _time
 
+    if resume is not None:
+        _resume_run(resume, plan_path, steps, address, worker_logs, max_restarts, as_json)
+        return
+    if plan_path is None:
+        raise SpecError("give the plan to run (PLAN.json), or --resume RUN", key="execute")
+    if steps is None:
+        raise SpecError("give --steps N", key="--steps")
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
     try:
         from executor.run import ExecutionOptions
-        from executor.run import execute as run_plan
     except ImportError as exc:
         raise SpecError(f"the executor needs its extra dependencies ({exc.name} is missing): "
                         "pip install -e '.[executor]' (torch==2.13.0 first on CPU machines)",
@@ -752,16 +770,31 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
                                save_hf_critic=Path(save_hf_critic) if save_hf_critic else None,
                                log_tensorboard=log_to == "tensorboard",
                                validate_every=validate_every, save_hf_every=save_hf_every,
+                               checkpoint_every=checkpoint_every, max_restarts=max_restarts,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
-    from executor.run import RunFailedError
+    _run_and_report(job, plan_file, options, plan_path, as_json)
 
+
+def _run_and_report(job: Any, plan_file: Any, options: Any, source: str,
+                    as_json: bool) -> None:
+    """Run, then print the summary and the predicted-vs-measured table; one line and a
+    non-zero status when the run fails (1) or is interrupted (130)."""
+    from executor.run import RunFailedError
+    from executor.run import execute as run_plan
+    from executor.session import RunInterruptedError
+
+    run_dir = options.out
     try:  # checks everything (and reads the data) before any worker starts
         result = run_plan(job, plan_file, options)
     except SpecError as exc:
-        raise exc.within(source=plan_path) from None
+        raise exc.within(source=source) from None
     except RunFailedError as exc:
         click.echo(f"hybridflow: run failed: {exc}", err=True)
         sys.exit(1)
+    except RunInterruptedError as exc:
+        click.echo(f"hybridflow: {exc}", err=True)
+        sys.exit(130)
+    steps = options.steps
     comparison = _predicted_vs_measured(run_dir, job)
     summary = {"out": str(run_dir), "steps": steps, "seconds": result.seconds,
                "iteration_seconds": [m["seconds"] for m in result.metrics],
@@ -780,6 +813,54 @@ def execute(plan_path: str, config: str | None, steps: int, out: str | None,
         click.echo(f"records: {run_dir}/measurements.csv, metrics.csv, meta.json, trace.json")
         if comparison:
             click.echo(_comparison_table(comparison, job))
+
+
+def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: str | None,
+                worker_logs: bool | None, max_restarts: int, as_json: bool) -> None:
+    """``execute --resume RUN``: the run's plan, job and options from its meta.json, its last
+    checkpoint's state, and the iterations still to run."""
+    from dataclasses import replace
+
+    from executor.algorithms import RLConfig
+    from executor.run import ExecutionOptions
+    from profiles.datafile import from_mapping, read_mapping
+    from simulator.plan import load_plan, plan_from_mapping
+    from simulator.specs.job import job_from_mapping
+
+    run_dir = Path(resume)
+    meta_path = run_dir / "meta.json"
+    meta = read_mapping(meta_path)
+    for key in ("plan", "job", "options"):
+        if key not in meta:
+            raise SpecError("missing key", key=key, source=str(meta_path))
+    plan_file = plan_from_mapping(meta["plan"], source=f"{meta_path} (plan)")
+    job = job_from_mapping(meta["job"], source=f"{meta_path} (job)")
+    if plan_path is not None and load_plan(plan_path).to_value() != plan_file.to_value():
+        raise SpecError(f"the run was made with another plan than {plan_path}",
+                        key="--resume", source=str(meta_path))
+    saved = meta["options"]
+    try:
+        rl = from_mapping(RLConfig, saved.get("rl") or {})
+    except SpecError as exc:
+        raise exc.within(source=str(meta_path)) from None
+    total = steps if steps is not None else int(saved.get("steps", 1))
+    options = ExecutionOptions(
+        steps=total, seed=int(saved.get("seed", 0)), out=run_dir, address=address,
+        transition=saved.get("transition", "micro_dp"),
+        actor_lr=float(saved.get("actor_lr", 1e-2)),
+        critic_lr=float(saved.get("critic_lr", 1e-2)),
+        reward_warmup_steps=int(saved.get("reward_warmup_steps", 20)), rl=rl,
+        worker_setup=saved.get("worker_setup"), worker_logs=worker_logs,
+        checkpoints=dict(saved.get("checkpoints") or {}),
+        validate_every=int(saved.get("validate_every", 0)),
+        save_hf=Path(saved["save_hf"]) if saved.get("save_hf") else None,
+        save_hf_critic=Path(saved["save_hf_critic"]) if saved.get("save_hf_critic") else None,
+        checkpoint_every=int(saved.get("checkpoint_every", 0)), max_restarts=max_restarts,
+        temperature=float(saved.get("temperature", 1.0)),
+        top_p=float(saved.get("top_p", 1.0)),
+        log=None if as_json else (lambda m: click.echo(m, err=True)))
+    options = replace(options, resume=run_dir)
+    _run_and_report(job, plan_file, options, str(meta_path), as_json)
 
 
 def _predicted_vs_measured(run_dir: Path, job: Any) -> list[dict[str, Any]]:

@@ -603,3 +603,39 @@ def test_ppo_on_the_users_data_under_tensor_parallelism_writes_the_critic(
     ids = torch.tensor([[8, 9, 30, 10, 31, 8]])
     with torch.no_grad():
         assert torch.allclose(critic(ids).logits.squeeze(-1), ours(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [((1, 2, "fsdp"), "fp32"),
+                                               ((2, 1, "none"), "bf16")])
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(
+        layout: tuple[int, int, str], dtype: str, tmp_path: Path) -> None:
+    """Checkpoints (torch DCP, sharded as trained: FSDP shards, or tensor-parallel pieces
+    with bf16 weights and fp32 master copies) and the controller's state: 2 iterations, a
+    resume to 4, and the same weights, bit for bit, as 4 iterations in one go."""
+    from safetensors.torch import load_file
+
+    j = job("grpo", 2, dtype=dtype)
+    p = plan(j, [(("actor", "ref"), 2)], {"actor": layout, "ref": layout})
+    whole = execute(j, p, ExecutionOptions(steps=4, seed=5, out=tmp_path / "whole",
+                                           checkpoint_every=2,
+                                           save_hf=tmp_path / "whole-hf"))
+    half = tmp_path / "half"
+    execute(j, p, ExecutionOptions(steps=2, seed=5, out=half, checkpoint_every=2))
+    kept = sorted(x.name for x in (half / "checkpoints").iterdir())
+    assert kept == ["iter_000002"]  # complete checkpoints only, no partial left
+    assert {x.name for x in (half / "checkpoints" / "iter_000002").iterdir()} >= {
+        "actor", "controller.json"}
+    resumed = execute(j, p, ExecutionOptions(steps=4, seed=5, out=half, checkpoint_every=2,
+                                             resume=half, save_hf=tmp_path / "half-hf"))
+    a, b = load_file(tmp_path / "whole-hf" / "model.safetensors"), \
+        load_file(tmp_path / "half-hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["iteration"] for m in resumed.metrics] == [0, 1, 2, 3]
+    for mine, theirs in zip(resumed.metrics, whole.metrics, strict=True):
+        for key in ("score", "actor_policy_loss", "actor_grad_norm", "response_tokens"):
+            assert mine[key] == theirs[key], key
+    rows = pd.read_csv(half / "measurements.csv")
+    assert sorted(rows[rows["node"] == "iteration"]["iteration"]) == [0, 1, 2, 3]
+    meta = json.loads((half / "meta.json").read_text())
+    assert meta["resumed_from"].endswith("iter_000002")
+    assert [c["iterations_done"] for c in meta["checkpoints_written"]] == [4]
