@@ -35,3 +35,29 @@ def raise_in_second_update() -> None:
 
 def exit_in_second_update() -> None:
     _on_second_update(lambda: os._exit(3))
+
+
+def kill_in_third_update_once() -> None:
+    """SIGKILL rank 1 in the actor's third update (iteration 2), once per run: a marker file
+    (``$HYBRIDFLOW_FAULT_MARKER``) remembers that it happened, so the restarted workers run
+    on."""
+    import signal
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from executor import roles
+
+    original = roles.ActorRole.update
+    calls = {"n": 0}
+    marker = Path(os.environ["HYBRIDFLOW_FAULT_MARKER"])
+
+    def update(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3 and dist.get_rank() == 1 and not marker.exists():
+            marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, batch)
+
+    update.protocol = original.protocol  # type: ignore[attr-defined]
+    roles.ActorRole.update = update
