@@ -72,10 +72,19 @@ def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def current_umask() -> int:
+    """The process's file-creation mask (reading it means setting it, so set it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename.
 
     A crash or a full disk leaves either the old file or the new one, never half of either.
+    The file gets the mode any other tool's output would (0666 less the umask), not the
+    temporary file's 0600, so teammates on a shared filesystem can read it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +93,7 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
+            os.fchmod(handle.fileno(), 0o666 & ~current_umask())
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -233,6 +235,17 @@ def test_plan_json_keys_report_files_and_plan_round_trip(tmp_path: Path) -> None
     assert "Why this plan" in (out / "report.md").read_text()
     again = run_json("simulate", "--plan", str(out / "plan.json"))
     assert again["iteration_seconds"] == pytest.approx(result["best"]["iteration_seconds"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_follow_the_umask(tmp_path: Path, umask: int) -> None:
+    out = tmp_path / "report"
+    result = subprocess.run([sys.executable, "-m", "planner", "plan", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: os.umask(umask))
+    assert result.returncode == 0, result.stderr
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_plan_with_pinned_placement_and_with_a_plan_file(tmp_path: Path) -> None:

@@ -8,6 +8,12 @@ from typing import Literal
 from profiles.datafile import require
 from simulator.specs.lengths import LengthDistribution, parse_lengths
 
+MAX_SEQUENCES_PER_ITERATION = 262_144
+"""Most responses one iteration may generate (prompts x samples per prompt). The decode
+simulation walks every sequence through continuous batching, so planning time grows with
+it: about 20 s for a 7B PPO job on 16 GPUs at this limit on a 2-core machine. Published RLHF
+recipes stay far below it (verl's DAPO example: 512 prompts x 16 samples = 8,192)."""
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Workload:
@@ -57,6 +63,12 @@ class Workload:
         require(self.rule_reward_seconds_per_sample >= 0, "must be >= 0",
                 "rule_reward_seconds_per_sample")
         sequences = self.prompts_per_iteration * self.samples_per_prompt
+        require(sequences <= MAX_SEQUENCES_PER_ITERATION,
+                f"{self.prompts_per_iteration} prompts x {self.samples_per_prompt} sample(s) = "
+                f"{sequences} sequences per iteration is above the planner's limit of "
+                f"{MAX_SEQUENCES_PER_ITERATION} (it simulates every sequence's decode); "
+                "plan a smaller batch",
+                "prompts_per_iteration")
         require(sequences >= self.mini_batches_per_epoch,
                 f"{sequences} sequences per iteration cannot be split into "
                 f"{self.mini_batches_per_epoch} mini-batches", "mini_batches_per_epoch")
