@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from executor.batch import Batch
-from profiles.datafile import SpecError
+from profiles.datafile import SpecError, read_text_file
 from simulator.specs.data import DATA_SUFFIXES, DataSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -103,9 +103,9 @@ def _check_jsonl(path: str, key: str) -> None:
     """One JSON object per line; the first bad line is named (``datasets`` reports only that
     the file failed)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise SpecError(f"{path}: not a UTF-8 text file", key=key) from None
+        text = read_text_file(path, what="UTF-8 JSON lines")
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc.problem}", key=key) from None
     if not text.strip():
         raise SpecError(f"{path}: no rows", key=key)
     if Path(path).suffix.lower() == ".json" and text.lstrip().startswith("["):

@@ -35,7 +35,13 @@ from executor.run import (
     role_configs,
     validate_for_execution,
 )
-from profiles.datafile import SpecError, json_text, to_mapping, write_text_atomic
+from profiles.datafile import (
+    SpecError,
+    json_text,
+    read_text_file,
+    to_mapping,
+    write_text_atomic,
+)
 from simulator.plan import Plan
 from simulator.specs.job import JobSpec
 
@@ -63,9 +69,12 @@ def checkpoint_directories(run: Path) -> list[Path]:
 def read_controller_state(directory: Path) -> dict[str, Any]:
     path = directory / "controller.json"
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        state = json.loads(read_text_file(path, what="UTF-8 JSON"))
+    except json.JSONDecodeError as exc:
         raise SpecError(f"not a readable checkpoint: {exc}", source=str(path)) from None
+    if not isinstance(state, dict):
+        raise SpecError("not a readable checkpoint: expected a JSON mapping",
+                        source=str(path))
     for key in ("iterations_done", "generator", "rows", "metrics"):
         if key not in state:
             raise SpecError("missing key", key=key, source=str(path))

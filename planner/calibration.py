@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import io
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from profiles.datafile import SpecError
+from profiles.datafile import SpecError, read_mapping, read_text_file
 from profiles.device import DeviceProfile, Provenance, register_profile
 from simulator.engine import iteration_seconds
 from simulator.plan import Plan, plan_from_mapping
@@ -64,12 +65,13 @@ class Run:
 def _read_csv(path: Path, fields: dict[str, Callable[[str], Any]],
               optional: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Rows of a CSV with the named fields parsed; errors name the file, line and field."""
-    try:
-        handle = path.open(newline="", encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError("file not found", source=str(path)) from None
+    text = read_text_file(path, what="UTF-8 CSV")
+    if text and not text.endswith("\n"):
+        # The executor writes whole lines; a last row without its line end was cut short.
+        raise SpecError(f"line {text.count(chr(10)) + 1}: the last row has no line end (the "
+                        "file is truncated)", source=str(path))
     rows = []
-    with handle:
+    with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
         if not header:
@@ -97,10 +99,32 @@ def _read_csv(path: Path, fields: dict[str, Callable[[str], Any]],
                 if parse is float and not math.isfinite(row[name]):
                     raise SpecError(f"line {line}: {name}: not a finite number",
                                     source=str(path))
+                if name.endswith("_seconds") and row[name] < 0:
+                    raise SpecError(f"line {line}: {name}: a duration cannot be negative, got "
+                                    f"{text}", source=str(path))
             rows.append(row)
     if not rows:
         raise SpecError("no rows", source=str(path))
     return rows
+
+
+def read_run_meta(meta_path: Path) -> tuple[dict[str, Any], Plan, JobSpec]:
+    """A run's meta.json: the whole mapping, its plan and its job, checked against each
+    other (errors name meta.json and the key)."""
+    meta = read_mapping(meta_path)
+    for key in ("plan", "job", "options"):
+        if key not in meta:
+            raise SpecError("missing key", key=key, source=str(meta_path))
+        if not isinstance(meta[key], dict):
+            raise SpecError(f"expected a mapping, got {type(meta[key]).__name__}", key=key,
+                            source=str(meta_path))
+    plan = plan_from_mapping(meta["plan"], source=f"{meta_path} (plan)")
+    job = job_from_mapping(meta["job"], source=f"{meta_path} (job)")
+    try:
+        plan.validate(job)
+    except SpecError as exc:  # a plan and job that never ran together
+        raise exc.within("plan", source=str(meta_path)) from None
+    return meta, plan, job
 
 
 def load_run(directory: str | Path) -> Run:
@@ -109,19 +133,11 @@ def load_run(directory: str | Path) -> Run:
     if not path.is_dir():
         raise SpecError("not a run directory", source=str(path))
     meta_path = path / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError("file not found", source=str(meta_path)) from None
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"not valid JSON: line {exc.lineno}: {exc.msg}",
-                        source=str(meta_path)) from None
-    for key in ("plan", "job", "options"):
-        if key not in meta:
-            raise SpecError("missing key", key=key, source=str(meta_path))
-    plan = plan_from_mapping(meta["plan"], source=f"{meta_path} (plan)")
-    job = job_from_mapping(meta["job"], source=f"{meta_path} (job)")
+    meta, plan, job = read_run_meta(meta_path)
     task = meta["options"].get("task", {})
+    if not isinstance(task, dict):
+        raise SpecError(f"expected a mapping, got {type(task).__name__}", key="options.task",
+                        source=str(meta_path))
     # The built-in task's prompts are BOS, its digits and SEP; the user's data's come from
     # each iteration's measured prompt tokens.
     prompt_length = int(task.get("digits", 3)) + 2
@@ -147,10 +163,15 @@ def load_run(directory: str | Path) -> Run:
                 continue
             try:
                 raw = json.loads(row[column])
-                target[row["iteration"]] = {int(k): int(v) for k, v in raw.items()}
-            except (json.JSONDecodeError, AttributeError, ValueError):
+                lengths = {int(k): int(v) for k, v in raw.items()}
+            except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
                 raise SpecError(f"line {line}: {column}: not a JSON mapping of length -> "
                                 "count", source=str(path / "metrics.csv")) from None
+            if any(n < 0 or c < 0 for n, c in lengths.items()) or not sum(lengths.values()):
+                raise SpecError(f"line {line}: {column}: lengths and counts must be >= 0 with "
+                                f"at least one response, got {row[column]}",
+                                source=str(path / "metrics.csv"))
+            target[row["iteration"]] = lengths
     return Run(path=path, plan=plan, job=job, prompt_length=prompt_length,
                measurements=measurements, length_counts=counts, greedy_counts=greedy,
                prompt_tokens=prompts)

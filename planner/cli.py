@@ -527,9 +527,9 @@ def _search_flags(f: Any) -> Any:
     f = click.option("--backend", type=click.Choice(["any", "megatron", "fsdp", "simulated"]),
                      default="any", show_default=True,
                      help="Layouts to search: any = what the installed executor backends run "
-                          "(torch FSDP2, and Megatron-core when installed); megatron or fsdp "
-                          "alone; simulated = every layout the simulator prices, executable "
-                          "or not (e.g. generation pp > 1).")(f)
+                          "(torch FSDP2, and Megatron-core when installed unless the job has "
+                          "data:); megatron or fsdp alone; simulated = every layout the "
+                          "simulator prices, executable or not (e.g. generation pp > 1).")(f)
     return click.option("--top", "top", type=click.IntRange(min=1), default=5,
                         show_default=True, help="Plans to keep in the ranking.")(f)
 
@@ -819,22 +819,14 @@ def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: 
                 worker_logs: bool | None, max_restarts: int, as_json: bool) -> None:
     """``execute --resume RUN``: the run's plan, job and options from its meta.json, its last
     checkpoint's state, and the iterations still to run."""
-    from dataclasses import replace
-
     from executor.algorithms import RLConfig
-    from executor.run import ExecutionOptions
-    from profiles.datafile import from_mapping, read_mapping
-    from simulator.plan import load_plan, plan_from_mapping
-    from simulator.specs.job import job_from_mapping
+    from planner.calibration import read_run_meta
+    from profiles.datafile import from_mapping
+    from simulator.plan import load_plan
 
     run_dir = Path(resume)
     meta_path = run_dir / "meta.json"
-    meta = read_mapping(meta_path)
-    for key in ("plan", "job", "options"):
-        if key not in meta:
-            raise SpecError("missing key", key=key, source=str(meta_path))
-    plan_file = plan_from_mapping(meta["plan"], source=f"{meta_path} (plan)")
-    job = job_from_mapping(meta["job"], source=f"{meta_path} (job)")
+    meta, plan_file, job = read_run_meta(meta_path)
     if plan_path is not None and load_plan(plan_path).to_value() != plan_file.to_value():
         raise SpecError(f"the run was made with another plan than {plan_path}",
                         key="--resume", source=str(meta_path))
@@ -843,6 +835,23 @@ def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: 
         rl = from_mapping(RLConfig, saved.get("rl") or {})
     except SpecError as exc:
         raise exc.within(source=str(meta_path)) from None
+    try:
+        options = _saved_options(saved, steps, run_dir, address, worker_logs, max_restarts,
+                                 as_json, rl)
+    except (TypeError, ValueError) as exc:  # a hand-edited meta.json
+        raise SpecError(f"a saved option is not what execute wrote: {exc}", key="options",
+                        source=str(meta_path)) from None
+    _run_and_report(job, plan_file, options, str(meta_path), as_json)
+
+
+def _saved_options(saved: dict[str, Any], steps: int | None, run_dir: Path,
+                   address: str | None, worker_logs: bool | None, max_restarts: int,
+                   as_json: bool, rl: Any) -> Any:
+    """The options a run was started with (its meta.json), for ``--resume``."""
+    from dataclasses import replace
+
+    from executor.run import ExecutionOptions
+
     total = steps if steps is not None else int(saved.get("steps", 1))
     options = ExecutionOptions(
         steps=total, seed=int(saved.get("seed", 0)), out=run_dir, address=address,
@@ -859,8 +868,7 @@ def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: 
         temperature=float(saved.get("temperature", 1.0)),
         top_p=float(saved.get("top_p", 1.0)),
         log=None if as_json else (lambda m: click.echo(m, err=True)))
-    options = replace(options, resume=run_dir)
-    _run_and_report(job, plan_file, options, str(meta_path), as_json)
+    return replace(options, resume=run_dir)
 
 
 def _predicted_vs_measured(run_dir: Path, job: Any) -> list[dict[str, Any]]:
@@ -1171,6 +1179,12 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        # One line, like every other bad input (click's own show() adds the usage block).
+        command = exc.ctx.command_path if exc.ctx else "hybridflow"
+        click.echo(f"hybridflow: error: {exc.format_message()} "
+                   f"(see `{command} --help`)", err=True)
+        sys.exit(EXIT_BAD_INPUT)
     except click.ClickException as exc:
         exc.show()
         sys.exit(EXIT_BAD_INPUT if exc.exit_code == 2 else exc.exit_code)

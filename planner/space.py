@@ -142,8 +142,10 @@ def role_configs(job: JobSpec, role: str, gpus: int,
            and (gpus < gpn or gpn % t == 0)]
 
     layouts: list[tuple[int, int, str]] = []  # (tp, pp, sharding)
+    # The executor's Megatron path takes no left-padded prompts, so a job with its own data
+    # trains with torch unless the user asks for Megatron.
     megatron = options.backend in ("megatron", "simulated") or (
-        options.backend == "any" and megatron_installed())
+        options.backend == "any" and megatron_installed() and job.data is None)
     if megatron and pins.get("sharding") in (None, "none", "optimizer"):
         for tp in tps:
             for pp in _divisors(model.layers):

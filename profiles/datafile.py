@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 import types
 from collections.abc import Callable, Mapping
@@ -45,18 +46,44 @@ class SpecError(ValueError):
         return ": ".join([*parts, self.problem])
 
 
+MAX_INPUT_BYTES = 256 * 2**20
+"""Largest text input read whole (jobs, plans, profiles, run records): far above any this
+tool writes, small enough that a wrong path (a disk image, a dataset) fails fast."""
+
+
+def read_text_file(path: str | os.PathLike[str], *, what: str = "UTF-8 text") -> str:
+    """A user's text file, whole; anything else (missing, a directory, a FIFO or device,
+    unreadable, not UTF-8, too large) is a SpecError naming the file. A FIFO is refused
+    before it is opened: opening one blocks until something writes to it."""
+    path = Path(path)
+    source = str(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise SpecError("file not found", source=source) from None
+    except OSError as exc:
+        raise SpecError(f"cannot read: {exc.strerror or exc}", source=source) from None
+    if stat.S_ISDIR(info.st_mode):
+        raise SpecError("is a directory, expected a file", source=source)
+    if not stat.S_ISREG(info.st_mode):
+        raise SpecError("not a regular file (a pipe, socket or device), expected a file",
+                        source=source)
+    if info.st_size > MAX_INPUT_BYTES:
+        raise SpecError(f"{info.st_size} bytes, larger than the {MAX_INPUT_BYTES} this input "
+                        "may have: is it the right file?", source=source)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(f"not a text file (expected {what})", source=source) from None
+    except OSError as exc:
+        raise SpecError(f"cannot read: {exc.strerror or exc}", source=source) from None
+
+
 def read_mapping(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML (safe_load) or JSON file whose top level must be a mapping."""
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError("file not found", source=source) from None
-    except IsADirectoryError:
-        raise SpecError("is a directory, expected a file", source=source) from None
-    except UnicodeDecodeError:
-        raise SpecError("not a text file (expected UTF-8 YAML or JSON)", source=source) from None
+    text = read_text_file(path, what="UTF-8 YAML or JSON")
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:

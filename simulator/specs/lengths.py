@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -17,7 +18,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, from_mapping, require
+from profiles.datafile import SpecError, from_mapping, read_text_file, require
 
 Kind = Literal["fixed", "uniform", "normal", "lognormal", "max_entropy", "empirical"]
 
@@ -222,11 +223,11 @@ def _stratified(dist: LengthDistribution, count: int) -> tuple[int, ...]:
 
 def _read_lengths_csv(path: Path, key: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
     try:
-        handle = path.open(newline="", encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"file not found: {path}", key=key) from None
+        text = read_text_file(path, what="UTF-8 CSV")
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc.problem}", key=key) from None
     counts: dict[int, float] = {}
-    with handle:
+    with io.StringIO(text, newline="") as handle:
         reader = csv.DictReader(handle)
         if reader.fieldnames is None or "length" not in reader.fieldnames:
             raise SpecError(f"{path}: needs a 'length' column (and optionally 'count')", key=key)
