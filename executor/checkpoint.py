@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 SCALAR_TYPES = (int, float, bool)
@@ -104,15 +104,17 @@ def save(trainer: Any, directory: str | Path) -> int:
 # ----- loading -------------------------------------------------------------------------
 
 
-ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
-ALLOWED_NAMES = {("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
+ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
+"""DCP's metadata classes (dataclasses and enums: building one runs no other code)."""
+ALLOWED_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                 ("torch", "Size"), ("torch", "device"), ("collections", "OrderedDict"),
                  ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
                  ("torch", "strided"), ("torch", "contiguous_format"),
                  ("torch", "preserve_format"), ("torch", "channels_last"),
                  # A layout by name (getattr on torch), and the checkpoint's own path.
                  ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
                  ("pathlib", "WindowsPath"), ("pathlib", "Path")}
-"""Everything else a DCP metadata file names comes from torch.distributed.checkpoint."""
+"""The other names a DCP metadata file holds (sizes, dtypes, layouts, file locations)."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -120,7 +122,7 @@ class MetadataUnpickler(pickle.Unpickler):
     (a checkpoint is data: nothing in it may run)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(ALLOWED_MODULES) or (module, name) in ALLOWED_NAMES:
+        if module in ALLOWED_MODULES or (module, name) in ALLOWED_NAMES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
@@ -137,6 +139,11 @@ class DataOnlyReader(FileSystemReader):
             metadata = MetadataUnpickler(io.BytesIO(stream.read())).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError("not a DCP metadata file")
+        if not all(isinstance(entry, TensorStorageMetadata)
+                   for entry in metadata.state_dict_metadata.values()):
+            # DCP would torch.load a non-tensor entry with weights_only=False; save writes
+            # tensors only, so such an entry was not written by this code.
+            raise pickle.UnpicklingError("a DCP checkpoint entry that is not a tensor")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

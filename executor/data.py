@@ -36,6 +36,15 @@ def load_tokenizer(directory: str | Path, *, key: str) -> Any:
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         raise SpecError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
                         key=key)
+    for file in sorted(path.glob("*.json")):
+        # transformers reports a broken JSON file without its name; name it.
+        try:
+            json.loads(read_text_file(file, what="UTF-8 JSON"))
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{file}: not valid JSON: line {exc.lineno}: {exc.msg}",
+                            key=key) from None
+        except SpecError as exc:
+            raise SpecError(f"{file}: {exc.problem}", key=key) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:

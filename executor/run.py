@@ -91,6 +91,23 @@ class RunResult:
     seconds: float
 
 
+def check_setup_hook(spec: str) -> None:
+    """``--worker-setup MODULE[:FUNCTION]`` imported on the controller first, so a typo fails
+    here in one line instead of in every worker."""
+    import importlib
+
+    module, _, function = spec.partition(":")
+    function = function or "setup"
+    try:
+        loaded = importlib.import_module(module)
+    except Exception as exc:  # the user's module: any import error is theirs to see
+        raise SpecError(f"cannot import {module!r}: {type(exc).__name__}: {exc}",
+                        key="--worker-setup") from None
+    if not callable(getattr(loaded, function, None)):
+        raise SpecError(f"module {module!r} has no function {function!r} (give "
+                        "MODULE:FUNCTION)", key="--worker-setup")
+
+
 def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> Any:
     """Everything that can be checked before a worker starts; raises SpecError. Returns the
     task the controller's program takes its prompts from (the built-in one, or the job's
@@ -155,6 +172,12 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                             key="workload.prompts_per_iteration")
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
+    if options.resume is None and options.out is not None and \
+            (Path(options.out) / "meta.json").exists():
+        raise SpecError(f"{options.out} holds an earlier run; give another directory, or "
+                        f"continue that run with --resume {options.out}", key="--out")
+    if options.worker_setup:
+        check_setup_hook(options.worker_setup)
     if job.reward_function is not None:
         from executor.reward_function import load_reward_function
 

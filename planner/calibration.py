@@ -412,6 +412,10 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
 
     if not runs:
         raise SpecError("give at least one run directory", key="runs")
+    if not any(i >= skip for run in runs for i in run.length_counts):
+        longest = max(len(run.length_counts) for run in runs)
+        raise SpecError(f"skipping the first {skip} iteration(s) leaves nothing to fit (the "
+                        f"longest run has {longest})", key="--skip")
     chosen = list(fit) if fit else [k for k in PARAMETERS if k != "call_seconds"]
     if "call_seconds" not in chosen:
         # Measured, not fitted: the controller's dispatch + collect of calls that did not

@@ -17,11 +17,17 @@ from typing import Any
 import click
 
 from profiles.datafile import SpecError, json_text, write_text_atomic
+from simulator.specs.workload import MAX_SEQUENCE_TOKENS, MAX_SEQUENCES_PER_ITERATION
 
 EXIT_DOES_NOT_FIT = 1
 EXIT_BAD_INPUT = 2
 
 GIB = 1024**3
+
+TOKENS = click.IntRange(min=1, max=MAX_SEQUENCE_TOKENS)
+"""A sequence length flag, in tokens, within the planner's limit."""
+SEQUENCES = click.IntRange(min=1, max=MAX_SEQUENCES_PER_ITERATION)
+"""A batch flag, in sequences, within the planner's limit."""
 
 
 def _emit_json(obj: Any) -> None:
@@ -112,11 +118,11 @@ def _load_device(name: str) -> Any:
 @click.option("--fsdp", is_flag=True, help="FSDP / ZeRO-3 over the data-parallel ranks.")
 @click.option("--distributed-optimizer", is_flag=True,
               help="Shard optimizer states over data-parallel ranks (ZeRO-1).")
-@click.option("--global-batch", type=click.IntRange(min=1), required=True,
+@click.option("--global-batch", type=SEQUENCES, required=True,
               help="Sequences per optimizer step.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sequences per micro-batch per data-parallel rank.")
-@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
+@click.option("--seq-len", type=TOKENS, required=True, help="Tokens per sequence.")
 @click.option("--recompute", type=click.Choice(["none", "selective", "full"]),
               default="selective", show_default=True)
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True)
@@ -191,9 +197,9 @@ def estimate_train(model_name: str, device: str, gpus: int, tp: int, pp: int, vp
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), required=True, help="Sequences in total.")
+@click.option("--batch", type=SEQUENCES, required=True, help="Sequences in total.")
 @click.option("--micro-batch", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=1), required=True)
+@click.option("--seq-len", type=TOKENS, required=True)
 @click.option("--value-head", is_flag=True, help="Scalar value head (critic / reward).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True)
@@ -240,10 +246,10 @@ def estimate_infer(model_name: str, device: str, gpus: int, tp: int, pp: int, ba
 @_device_option
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--batch", type=click.IntRange(min=1), required=True,
+@click.option("--batch", type=SEQUENCES, required=True,
               help="Sequences this replica generates.")
-@click.option("--prompt-len", type=click.IntRange(min=1), required=True)
-@click.option("--response-len", type=click.IntRange(min=1), required=True)
+@click.option("--prompt-len", type=TOKENS, required=True)
+@click.option("--response-len", type=TOKENS, required=True)
 @click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True,
               help="Running-batch cap (vLLM max_num_seqs).")
 @click.option("--memory-utilization", type=click.FloatRange(0.05, 1.0), default=0.9,
@@ -570,7 +576,10 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
     options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization)
     pinned = None
     if placement:
-        groups = parse_placement(placement, job.gpu_roles)
+        try:
+            groups = parse_placement(placement, job.gpu_roles)
+        except SpecError as exc:
+            raise SpecError(exc.problem, key="--placement") from None
         pinned = tuple(tuple(r for r in job.gpu_roles if r in g) for g in groups)
     from planner.provenance import stale_calibration
 
@@ -772,11 +781,25 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
                                validate_every=validate_every, save_hf_every=save_hf_every,
                                checkpoint_every=checkpoint_every, max_restarts=max_restarts,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
-    _run_and_report(job, plan_file, options, plan_path, as_json)
+    _run_and_report(job, plan_file, options, plan_path, as_json, job_source=config)
+
+
+def _error_source(exc: SpecError, plan_source: str, job_source: str | None) -> str | None:
+    """Which file an execute error is about: the job file for a job key, none for a flag,
+    else the plan (which also carries the job when no --config is given)."""
+    from simulator.specs.job import JOB_KEYS
+
+    head = (exc.key or "").split(".")[0].split("[")[0]
+    if head.startswith("--"):
+        return None
+    # "algorithm" is the plan's: a plan made for another job.
+    if job_source is not None and head in JOB_KEYS and head != "algorithm":
+        return job_source
+    return plan_source
 
 
 def _run_and_report(job: Any, plan_file: Any, options: Any, source: str,
-                    as_json: bool) -> None:
+                    as_json: bool, job_source: str | None = None) -> None:
     """Run, then print the summary and the predicted-vs-measured table; one line and a
     non-zero status when the run fails (1) or is interrupted (130)."""
     from executor.run import RunFailedError
@@ -787,7 +810,7 @@ def _run_and_report(job: Any, plan_file: Any, options: Any, source: str,
     try:  # checks everything (and reads the data) before any worker starts
         result = run_plan(job, plan_file, options)
     except SpecError as exc:
-        raise exc.within(source=source) from None
+        raise exc.within(source=_error_source(exc, source, job_source)) from None
     except RunFailedError as exc:
         click.echo(f"hybridflow: run failed: {exc}", err=True)
         sys.exit(1)
@@ -965,6 +988,19 @@ def profile(device: str, world_size: int, out: str, quick: bool) -> None:
     path = Path(out)
     if path.suffix not in (".yaml", ".yml"):
         raise SpecError("the profile file must end in .yaml", key="--out")
+    # Checked before measuring, so a wrong path fails in a second, not after the benchmarks.
+    parent = path.parent
+    if not parent.is_dir():
+        raise SpecError(f"{parent} is not an existing directory", key="--out")
+    if not os.access(parent, os.W_OK):
+        raise SpecError(f"{parent} is not writable", key="--out")
+    # One process per core (per GPU on CUDA): more would time the scheduler, not the links.
+    available = (__import__("torch").cuda.device_count() if device == "cuda"
+                 else max(2, os.cpu_count() or 2))
+    if world_size > available:
+        raise SpecError(f"{world_size} processes on a machine with {available} "
+                        f"{'GPUs' if device == 'cuda' else 'cores'}; at most {available}",
+                        key="--world-size")
     settings = ProfileSettings(device=device, world_size=world_size, quick=quick,
                                name=path.stem)
     started = __import__("time").perf_counter()

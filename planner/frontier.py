@@ -235,8 +235,9 @@ def _fold(combos: _Combos, candidates: Sequence[RoleCandidate], contributions: n
         np.zeros(len(candidates))
     m, n = len(combos.resident), len(candidates)
     grown = _Combos(
+        # Explicit width: reshape cannot infer it when no combination fits (m or n is 0).
         contributions=(combos.contributions[:, None, :] + contributions[None, :, :]).reshape(
-            m * n, -1),
+            m * n, combos.contributions.shape[1]),
         resident=(combos.resident[:, None] + resident[None, :]).reshape(-1),
         transient=np.maximum(combos.transient[:, None], transient[None, :]).reshape(-1),
         picks=np.concatenate([np.repeat(combos.picks, n, axis=0),

@@ -327,7 +327,7 @@ def resolve_profile_path(name_or_path: str) -> Path:
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml") or candidate.exists():
         if not candidate.exists():
-            raise SpecError("profile file not found", source=name_or_path)
+            raise SpecError(f"profile file not found: {name_or_path}", key="device")
         return candidate
     for directory in profile_search_path():
         path = directory / f"{name_or_path}.yaml"

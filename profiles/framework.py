@@ -187,7 +187,8 @@ def resolve_framework_path(name_or_path: str) -> Path:
     candidate = Path(name_or_path)
     if candidate.suffix in (".yaml", ".yml"):
         if not candidate.exists():
-            raise SpecError("framework profile file not found", source=name_or_path)
+            raise SpecError(f"framework profile file not found: {name_or_path}",
+                            key="framework")
         return candidate
     path = FRAMEWORKS_DIR / f"{name_or_path}.yaml"
     if not path.exists():

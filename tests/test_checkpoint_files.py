@@ -44,6 +44,11 @@ def test_a_checkpoint_that_names_code_is_refused(tmp_path: Path) -> None:
     dcp.load(target, checkpoint_id=str(tmp_path / "ok"),
              storage_reader=DataOnlyReader(str(tmp_path / "ok")), no_dist=True)
     assert target["w"].tolist() == [1.0, 1.0, 1.0] and float(target["step"]) == 2.0
+    # A non-tensor entry DCP would torch.load with weights_only=False: refused unread.
+    dcp.save({"w": torch.ones(3), "extra": {"any": "object"}},
+             checkpoint_id=str(tmp_path / "objects"), no_dist=True)
+    with pytest.raises(pickle.UnpicklingError, match="not a tensor"):
+        DataOnlyReader(str(tmp_path / "objects")).read_metadata()
 
 
 def test_partial_and_broken_checkpoints(tmp_path: Path) -> None:

@@ -125,6 +125,10 @@ def test_tokenizer_problems_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="has no tokenizer files"):
         build_dataset_task(spec(path), str(empty), max_prompt_length=32)
     (empty / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(SpecError, match=r"empty/tokenizer\.json: not valid JSON: line 1"):
+        build_dataset_task(spec(path), str(empty), max_prompt_length=32)
+    (empty / "tokenizer.json").write_text('{"valid json": "but no tokenizer"}',
+                                          encoding="utf-8")
     with pytest.raises(SpecError, match="the tokenizer does not load"):
         build_dataset_task(spec(path), str(empty), max_prompt_length=32)
 

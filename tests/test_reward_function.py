@@ -69,17 +69,22 @@ def test_the_job_names_its_reward_function(tmp_path: Path) -> None:
         "algorithm: grpo\nmodels: {actor: tiny-2l, ref: tiny-2l, reward: rule}\n"
         "cluster: {nodes: 1, gpus_per_node: 2}\nworkload: {samples_per_prompt: 2}\n"
         "reward_function: {path: my_reward.py, name: score}\n")
+    with pytest.raises(SpecError, match=r"reward_function\.path: file not found: .*my_reward"):
+        load_job(job_file)
+    (tmp_path / "my_reward.py").write_text("def score(prompt, response, row):\n    return 0.0\n")
+    (tmp_path / "r.py").write_text("")
     job = load_job(job_file)
     assert job.reward_function is not None
-    assert job.reward_function.path == str(tmp_path / "my_reward.py")  # beside the job
+    assert job.reward_function.path == str(tmp_path.resolve() / "my_reward.py")  # beside the job
     assert job.to_value()["reward_function"]["name"] == "score"
     with pytest.raises(SpecError, match=r"give models\.reward: rule"):
         job_from_mapping({"algorithm": "ppo", "models": {r: "tiny-2l" for r in (
             "actor", "critic", "ref", "reward")}, "cluster": {"nodes": 1, "gpus_per_node": 2},
-            "reward_function": {"path": "r.py"}})
+            "reward_function": {"path": str(tmp_path / "r.py")}})
     with pytest.raises(SpecError, match="not a function name"):
         job_from_mapping({"algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l",
                                                           "reward": "rule"},
                           "cluster": {"nodes": 1, "gpus_per_node": 2},
                           "workload": {"samples_per_prompt": 2},
-                          "reward_function": {"path": "r.py", "name": "not valid"}})
+                          "reward_function": {"path": str(tmp_path / "r.py"),
+                                              "name": "not valid"}})

@@ -30,6 +30,17 @@ class Network:
         return self.nic_bandwidth_gbps * 1e9 / 8
 
 
+MAX_GPUS_PER_NODE = 72
+"""Most GPUs one node (one NVLink domain, where a tensor-parallel group lives) may have:
+NVIDIA's GB200 NVL72 joins 72 GPUs in one NVLink domain (nvidia.com, GB200 NVL72 product
+page). Planning a 8 x 72-GPU cluster takes about 5 s on a 2-core machine."""
+
+MAX_CLUSTER_GPUS = 8192
+"""Most GPUs a cluster may have. Planning time grows faster than linearly with the GPUs (the
+search prices every split of them among the colocated sets): a GRPO job on 8,192 GPUs takes
+about 70 s on a 2-core machine, 2,048 GPUs about 9 s."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class NodeGroup:
     """Identical nodes: ``nodes`` x ``gpus_per_node`` devices of one profile."""
@@ -49,6 +60,13 @@ class NodeGroup:
         require(self.nodes > 0, f"must be a positive integer, got {self.nodes}", "nodes")
         require(self.gpus_per_node > 0, f"must be a positive integer, got {self.gpus_per_node}",
                 "gpus_per_node")
+        require(self.gpus_per_node <= MAX_GPUS_PER_NODE,
+                f"{self.gpus_per_node} GPUs per node is above the planner's limit of "
+                f"{MAX_GPUS_PER_NODE} (one NVLink domain, as GB200 NVL72)", "gpus_per_node")
+        require(self.nodes * self.gpus_per_node <= MAX_CLUSTER_GPUS,
+                f"{self.nodes} nodes x {self.gpus_per_node} GPUs = "
+                f"{self.nodes * self.gpus_per_node} GPUs is above the planner's limit of "
+                f"{MAX_CLUSTER_GPUS}", "nodes")
         if self.inter_node_bandwidth_gbps is not None:
             require(self.inter_node_bandwidth_gbps > 0, "must be > 0",
                     "inter_node_bandwidth_gbps")
@@ -74,7 +92,9 @@ class NodeGroup:
         try:
             base = load_profile(self.device)
         except SpecError as exc:
-            raise exc.within("device") if exc.key != "device" else exc from None
+            # An error inside the profile's file names that file and its key; others are
+            # about this key.
+            raise exc if exc.source or exc.key == "device" else exc.within("device") from None
         network = self.effective_network()
         if network is None:
             return base
@@ -108,6 +128,9 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         require(len(self.node_groups) > 0, "at least one node group is required", "node_groups")
+        total = sum(g.gpus for g in self.node_groups)
+        require(total <= MAX_CLUSTER_GPUS, f"{total} GPUs in all is above the planner's limit "
+                f"of {MAX_CLUSTER_GPUS}", "node_groups")
 
     @classmethod
     def homogeneous(cls, nodes: int, gpus_per_node: int = 8, device: str = "a100-80gb",

@@ -359,17 +359,18 @@ def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
     return replace(base, nodes=tuple(nodes))
 
 
-_JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
+JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
              "framework", "reward_function", "data")
+"""The top-level keys a job file may have."""
 
 
 def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
                      base_dir: Path | None = None) -> JobSpec:
     """Build and validate a JobSpec from the mapping of a job file."""
     try:
-        unknown = [k for k in data if k not in _JOB_KEYS]
+        unknown = [k for k in data if k not in JOB_KEYS]
         if unknown:
-            raise SpecError(f"unknown key (allowed: {', '.join(_JOB_KEYS)})", key=unknown[0])
+            raise SpecError(f"unknown key (allowed: {', '.join(JOB_KEYS)})", key=unknown[0])
         if "models" not in data:
             raise SpecError("missing required key", key="models")
         if "cluster" not in data:
@@ -426,9 +427,15 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
                 raise SpecError(f"expected a mapping {{path, name}}, got {raw!r}",
                                 key="reward_function")
             reward_function = from_mapping(RewardFunction, raw, key_prefix="reward_function")
-            if base_dir is not None and not Path(reward_function.path).is_absolute():
-                reward_function = RewardFunction(path=str(base_dir / reward_function.path),
-                                                 name=reward_function.name)
+            path = Path(reward_function.path)
+            if base_dir is not None and not path.is_absolute():
+                path = base_dir / path
+            if not path.is_file():
+                what = "a directory, expected a Python file" if path.is_dir() else \
+                    "file not found"
+                raise SpecError(f"{what}: {path}", key="reward_function.path")
+            # Absolute, so a plan that embeds the job runs from anywhere (as data: files).
+            reward_function = RewardFunction(path=str(path.resolve()), name=reward_function.name)
         data_spec = parse_data(data["data"], base_dir) if data.get("data") is not None \
             else None
         return JobSpec(algorithm=algorithm, models=models,

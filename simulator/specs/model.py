@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -177,7 +178,19 @@ def _hf_int(config: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
     raise SpecError(f"missing key (one of: {', '.join(keys)})", key=keys[0], source=source)
 
 
+def _hf_number(config: dict[str, Any], key: str, source: str) -> float:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SpecError(f"expected a finite number, got {value!r}", key=key, source=source)
+    return float(value)
+
+
 _HF_MODEL_TYPES_UNTIED = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma"}
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
+"""Hugging Face ``model_type`` values read here: dense decoder-only transformers, whose
+layers the cost model prices (attention + MLP). Mixture-of-experts (mixtral, qwen2_moe,
+deepseek_v3), state-space (mamba) and encoder-decoder models have other layers."""
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -190,6 +203,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         path = path / "config.json"
     source = str(path)
     config = read_mapping(path)
+    model_type = str(config.get("model_type", ""))
+    if model_type and model_type not in HF_MODEL_TYPES:
+        raise SpecError(f"model type {model_type!r} is not modelled (dense decoder-only "
+                        f"transformers: {', '.join(HF_MODEL_TYPES)})", key="model_type",
+                        source=source)
     act = str(config.get("hidden_act", config.get("activation_function", "silu")))
     if act in ("silu", "swish", "swiglu"):
         mlp = "swiglu"
@@ -198,7 +216,6 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     else:
         raise SpecError(f"unsupported activation {act!r} (supported: silu, gelu*)",
                         key="hidden_act", source=source)
-    model_type = str(config.get("model_type", ""))
     tied_default = model_type not in _HF_MODEL_TYPES_UNTIED
     tied = config.get("tie_word_embeddings", tied_default)
     if not isinstance(tied, bool):
@@ -219,10 +236,15 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         "mlp": mlp,
         "tied_embeddings": tied,
         "qkv_bias": bool(config.get("attention_bias", model_type == "qwen2")),
-        "max_seq_len": int(config.get("max_position_embeddings", 4096)),
-        "rope_theta": float(config.get("rope_theta", 10000.0)),
-        "norm_eps": float(config.get("rms_norm_eps", config.get("layer_norm_eps", 1e-5))),
     }
+    if "max_position_embeddings" in config:
+        fields["max_seq_len"] = _hf_int(config, ("max_position_embeddings",), source)
+    if "rope_theta" in config:
+        fields["rope_theta"] = _hf_number(config, "rope_theta", source)
+    for eps_key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
+        if eps_key in config:
+            fields["norm_eps"] = _hf_number(config, eps_key, source)
+            break
     if head_dim is not None:
         fields["head_dim"] = head_dim
     return from_mapping(ModelSpec, fields, source=source)
@@ -235,7 +257,9 @@ def load_model(value: str | dict[str, Any], *, base_dir: Path | None = None,
     from simulator.specs.presets import MODEL_PRESETS
 
     if isinstance(value, dict):
-        return from_mapping(ModelSpec, value, key_prefix=key)
+        # An inline model is named after its key (models.actor -> "actor") unless it says.
+        named = {"name": key.rsplit(".", 1)[-1], **value}
+        return from_mapping(ModelSpec, named, key_prefix=key)
     if not isinstance(value, str):
         raise SpecError(f"expected a preset name, a path or a mapping, got {value!r}", key=key)
     if value in MODEL_PRESETS:
@@ -246,6 +270,9 @@ def load_model(value: str | dict[str, Any], *, base_dir: Path | None = None,
     if path.is_dir() or path.suffix == ".json":
         if not path.exists():
             raise SpecError(f"file not found: {path}", key=key)
+        if path.is_dir() and not (path / "config.json").exists():
+            raise SpecError(f"{path} is a directory without config.json (a Hugging Face "
+                            "checkpoint directory has one)", key=key)
         return from_hf_config(path)
     if path.suffix in (".yaml", ".yml"):
         if not path.exists():

@@ -15,6 +15,12 @@ it: about 20 s for a 7B PPO job on 16 GPUs at this limit on a 2-core machine. Pu
 recipes stay far below it (verl's DAPO example: 512 prompts x 16 samples = 8,192)."""
 
 
+MAX_SEQUENCE_TOKENS = 2**24
+"""Longest prompt + response one sequence may have, in tokens (16,777,216): above the longest
+context window a released model has (Llama 4 Scout, 10M tokens: Meta, "The Llama 4 herd",
+April 2025), so a larger number is a typo, not a workload."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Workload:
     """One iteration's data. Token counts are per sequence; batch counts are per iteration."""
@@ -62,6 +68,14 @@ class Workload:
                 "controller_seconds_per_sample")
         require(self.rule_reward_seconds_per_sample >= 0, "must be >= 0",
                 "rule_reward_seconds_per_sample")
+        for key, tokens in (("prompt_length", self.prompt_length),
+                            ("response_length", self.response_length.max_tokens)):
+            require(tokens <= MAX_SEQUENCE_TOKENS,
+                    f"{tokens} tokens is above the planner's limit of {MAX_SEQUENCE_TOKENS} "
+                    "per sequence (longer than any model's context window)", key)
+        require(self.max_sequence_tokens <= MAX_SEQUENCE_TOKENS,
+                f"prompt and response together are {self.max_sequence_tokens} tokens, above "
+                f"the planner's limit of {MAX_SEQUENCE_TOKENS} per sequence", "response_length")
         sequences = self.prompts_per_iteration * self.samples_per_prompt
         require(sequences <= MAX_SEQUENCES_PER_ITERATION,
                 f"{self.prompts_per_iteration} prompts x {self.samples_per_prompt} sample(s) = "
