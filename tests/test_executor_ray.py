@@ -579,6 +579,33 @@ def test_grpo_on_the_users_data_with_their_reward_and_tokenizer(tmp_path: Path) 
         assert torch.allclose(model(ids).logits, ours(ids), atol=1e-5)
 
 
+def test_a_resumed_data_run_takes_up_its_data_where_it_stopped(tmp_path: Path) -> None:
+    """The data position is part of a checkpoint: a run stopped after 3 iterations and
+    resumed to 6 reads the same prompts in the same order as 6 iterations in one go (into
+    the second epoch, reshuffled), scores them the same and ends with the same weights."""
+    from safetensors.torch import load_file
+
+    j = data_job(tmp_path, "grpo", 1, rows=16, epochs=2)
+    p = plan(j, [(("actor", "ref"), 1)], {"actor": (1, 1, "none"), "ref": (1, 1, "none")})
+
+    def options(out: str, steps: int, **more: object) -> ExecutionOptions:
+        return ExecutionOptions(steps=steps, seed=2, out=tmp_path / out, reward_warmup_steps=0,
+                                save_hf=tmp_path / f"{out}-hf", **more)
+
+    whole = execute(j, p, options("whole", 6))
+    execute(j, p, options("half", 3, checkpoint_every=3))
+    resumed = execute(j, p, options("half", 6, checkpoint_every=3, resume=tmp_path / "half"))
+    position = [(m["data_epoch"], m["data_offset"]) for m in resumed.metrics]
+    assert position == [(0, 0), (0, 4), (0, 8), (0, 12), (1, 0), (1, 4)]
+    assert position == [(m["data_epoch"], m["data_offset"]) for m in whole.metrics]
+    for mine, theirs in zip(resumed.metrics, whole.metrics, strict=True):
+        for key in ("prompt_tokens", "score", "actor_policy_loss", "response_tokens"):
+            assert mine[key] == theirs[key], key
+    a, b = load_file(tmp_path / "whole-hf" / "model.safetensors"), \
+        load_file(tmp_path / "half-hf" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_ppo_on_the_users_data_under_tensor_parallelism_writes_the_critic(
         tmp_path: Path) -> None:
     """Left-padded prompts through DTensor tensor parallelism (training, inference and

@@ -186,3 +186,49 @@ def test_megatron_roles_run_in_bf16_and_hold_the_simulators_state_bytes(
         assert float(measured["params_bytes"]) == predicted.params, node
         assert float(measured["grads_bytes"]) == predicted.grads, node
         assert float(measured["optimizer_bytes"]) == predicted.optimizer, node
+
+
+def test_a_resumed_megatron_run_ends_with_the_uninterrupted_runs_weights(
+        tmp_path: Path) -> None:
+    """Checkpoints of the Megatron backend (torch DCP through its inner torch optimizers),
+    with the distributed optimizer sharding the fp32 masters and Adam states over dp 2 and
+    bf16 weights: 2 iterations, a resume to 4, and the actor's weights bit for bit as 4
+    iterations in one go, with the same losses."""
+    from safetensors.torch import load_file
+
+    layout = _layout(tp=1, dp=2, sharding="optimizer")
+    roles = {"actor": {"parallel": layout, "generation": {"tp": 1},
+                       "training_backend": "megatron"},
+             "critic": {"parallel": layout, "training_backend": "megatron"},
+             "ref": {"parallel": _layout(tp=1, dp=2, sharding="none"),
+                     "training_backend": "megatron"}}
+    plan, job = _plan(tmp_path, 2, roles), _job(tmp_path, 2, {}, dtype="bf16")
+
+    def run(*extra: str) -> None:
+        command = [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
+                   "--reward-warmup", "0", "--seed", "7", "--worker-setup", SETUP, *extra]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    run("--steps", "4", "--out", str(tmp_path / "whole"), "--save-hf", str(tmp_path / "a"))
+    run("--steps", "2", "--out", str(tmp_path / "half"), "--checkpoint-every", "2",
+        "--save-hf", str(tmp_path / "b"))
+    shards = sorted(p.name for p in (tmp_path / "half" / "checkpoints" / "iter_000002" /
+                                     "actor").iterdir())
+    assert shards.count("__0_0.distcp") == 1 and "__1_0.distcp" in shards  # one per rank
+    resumed = subprocess.run(
+        [sys.executable, "-m", "planner", "execute", "--resume", str(tmp_path / "half"),
+         "--steps", "4"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), \
+        load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+    with open(tmp_path / "whole" / "metrics.csv") as f:
+        whole = list(csv.DictReader(f))
+    with open(tmp_path / "half" / "metrics.csv") as f:
+        half = list(csv.DictReader(f))
+    assert [m["iteration"] for m in half] == ["0", "1", "2", "3"]
+    for mine, theirs in zip(half, whole, strict=True):
+        for key in COMPARED:
+            assert mine[key] == theirs[key], key
