@@ -39,6 +39,33 @@ def test_a_failing_rank_stops_the_run_and_keeps_the_records(
     assert meta["failure"]["operation"] == "actor.update" and meta["failure"]["iteration"] == 1
 
 
+def test_restarts_are_bounded_then_the_run_fails_in_one_line(
+        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A rank that dies in every second update: one restart (from the start: no checkpoint
+    yet), the same death, and then the run fails with one line; meta.json lists the restart,
+    and the finished iteration's rows are there once."""
+    plan, job = grpo_two_gpu_files
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
+         "--steps", "3", "--out", str(out), "--reward-warmup", "0", "--max-restarts", "1",
+         "--worker-setup", "tests.faults.inject:exit_in_second_update"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "a worker failed again after 1 restart(s)" in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run failed: actor.update (set 0, rank 1)"), last
+    assert "Traceback" not in result.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    (restart,) = meta["restarts"]
+    assert restart["iteration"] == 1 and restart["restored_to_iteration"] == 0
+    assert restart["checkpoint"] is None
+    with open(out / "measurements.csv") as f:
+        iterations = [row["iteration"] for row in csv.DictReader(f)
+                      if row["node"] == "iteration"]
+    assert iterations == ["0"]  # redone after the restart, written once
+
+
 def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
         grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
     """SIGKILL of rank 1 in iteration 2's update: the run restarts its workers from the
