@@ -32,10 +32,14 @@ def _warm_imports() -> None:
     import planner.calibration
     import planner.cli
     import planner.planning  # noqa: F401
+    import reports.render  # noqa: F401
     import simulator.validation  # noqa: F401
     try:
+        import datasets  # noqa: F401
         import ray
+        import transformers  # noqa: F401
 
+        import executor.data
         import executor.profiler
         import executor.run
         import executor.session  # noqa: F401
