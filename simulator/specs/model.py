@@ -155,8 +155,11 @@ class ModelSpec:
         return 2 * self.layers * self.kv_size * dtype_bytes
 
     def describe(self) -> str:
-        billions = self.param_count / 1e9
-        return f"{self.name} ({billions:.2f}B params, {self.layers} layers, hidden {self.hidden})"
+        count = self.param_count
+        size = next((f"{count / scale:.{digits}f}{unit}" for scale, unit, digits in
+                     ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)) if count >= scale),
+                    str(count))
+        return f"{self.name} ({size} params, {self.layers} layers, hidden {self.hidden})"
 
 
 _IDENTITY_FIELDS = ("name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "mlp",
