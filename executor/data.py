@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from executor.batch import Batch
-from profiles.datafile import SpecError, read_text_file
+from profiles.datafile import SpecError, check_regular_file, read_text_file
 from simulator.specs.data import DATA_SUFFIXES, DataSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -112,24 +112,35 @@ def _check_jsonl(path: str, key: str) -> None:
     """One JSON object per line; the first bad line is named (``datasets`` reports only that
     the file failed)."""
     try:
-        text = read_text_file(path, what="UTF-8 JSON lines")
+        check_regular_file(path)
     except SpecError as exc:
         raise SpecError(f"{path}: {exc.problem}", key=key) from None
-    if not text.strip():
+    rows = 0
+    # Line by line: a training set may be far larger than memory wants to hold twice.
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                if not rows and Path(path).suffix.lower() == ".json" and \
+                        line.lstrip().startswith("["):
+                    return  # a JSON array of objects
+                rows += 1
+                try:
+                    value = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SpecError(f"{path}: line {number}: not valid JSON ({exc.msg})",
+                                    key=key) from None
+                if not isinstance(value, dict):
+                    raise SpecError(f"{path}: line {number}: expected a JSON object per "
+                                    "line", key=key)
+    except UnicodeDecodeError:
+        raise SpecError(f"{path}: not a text file (expected UTF-8 JSON lines)",
+                        key=key) from None
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror or exc}", key=key) from None
+    if not rows:
         raise SpecError(f"{path}: no rows", key=key)
-    if Path(path).suffix.lower() == ".json" and text.lstrip().startswith("["):
-        return  # a JSON array of objects
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SpecError(f"{path}: line {number}: not valid JSON ({exc.msg})",
-                            key=key) from None
-        if not isinstance(value, dict):
-            raise SpecError(f"{path}: line {number}: expected a JSON object per line",
-                            key=key)
 
 
 def _render(tokenizer: Any, value: Any, spec: DataSpec, where: str) -> tuple[list[int], str]:

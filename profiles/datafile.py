@@ -46,19 +46,20 @@ class SpecError(ValueError):
         return ": ".join([*parts, self.problem])
 
 
-MAX_INPUT_BYTES = 256 * 2**20
-"""Largest text input read whole (jobs, plans, profiles, run records): far above any this
-tool writes, small enough that a wrong path (a disk image, a dataset) fails fast."""
+MAX_INPUT_BYTES = 2**31
+"""Largest text input read whole (jobs, plans, profiles, run records; 2 GiB): the
+measurements of a run of about a million iterations (a PPO iteration writes about 2 KB),
+small enough that a wrong path (a disk image) fails in a line instead of filling memory.
+Training data is streamed, never read whole."""
 
 
-def read_text_file(path: str | os.PathLike[str], *, what: str = "UTF-8 text") -> str:
-    """A user's text file, whole; anything else (missing, a directory, a FIFO or device,
-    unreadable, not UTF-8, too large) is a SpecError naming the file. A FIFO is refused
-    before it is opened: opening one blocks until something writes to it."""
-    path = Path(path)
+def check_regular_file(path: str | os.PathLike[str]) -> os.stat_result:
+    """The file's status, or a SpecError naming it when it is missing, a directory, a FIFO,
+    socket or device, or cannot be looked at. A FIFO is refused before anything opens it:
+    opening one blocks until something writes to it."""
     source = str(path)
     try:
-        info = path.stat()
+        info = Path(path).stat()
     except FileNotFoundError:
         raise SpecError("file not found", source=source) from None
     except OSError as exc:
@@ -68,6 +69,15 @@ def read_text_file(path: str | os.PathLike[str], *, what: str = "UTF-8 text") ->
     if not stat.S_ISREG(info.st_mode):
         raise SpecError("not a regular file (a pipe, socket or device), expected a file",
                         source=source)
+    return info
+
+
+def read_text_file(path: str | os.PathLike[str], *, what: str = "UTF-8 text") -> str:
+    """A user's text file, whole; anything else (see ``check_regular_file``; unreadable, not
+    UTF-8, larger than ``MAX_INPUT_BYTES``) is a SpecError naming the file."""
+    path = Path(path)
+    source = str(path)
+    info = check_regular_file(path)
     if info.st_size > MAX_INPUT_BYTES:
         raise SpecError(f"{info.st_size} bytes, larger than the {MAX_INPUT_BYTES} this input "
                         "may have: is it the right file?", source=source)
