@@ -96,8 +96,9 @@ def check_setup_hook(spec: str) -> None:
     here in one line instead of in every worker."""
     import importlib
 
-    module, _, function = spec.partition(":")
-    function = function or "setup"
+    from executor.worker import setup_hook_parts
+
+    module, function = setup_hook_parts(spec)
     try:
         loaded = importlib.import_module(module)
     except Exception as exc:  # the user's module: any import error is theirs to see

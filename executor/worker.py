@@ -36,13 +36,20 @@ def configure_threads() -> None:
     torch.set_num_threads(1)
 
 
+def setup_hook_parts(spec: str) -> tuple[str, str]:
+    """``MODULE[:FUNCTION]`` of ``--worker-setup`` as (module, function); the function is
+    ``setup`` when not named."""
+    module, _, function = spec.partition(":")
+    return module, function or "setup"
+
+
 def run_setup_hook(spec: str) -> None:
     """Import ``module:function`` and call it: site-specific preparation every worker runs
     before it builds a model (``hybridflow execute --worker-setup``)."""
     import importlib
 
-    module, _, function = spec.partition(":")
-    getattr(importlib.import_module(module), function or "setup")()
+    module, function = setup_hook_parts(spec)
+    getattr(importlib.import_module(module), function)()
 
 
 class SetWorker:

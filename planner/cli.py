@@ -980,11 +980,10 @@ def profile(device: str, world_size: int, out: str, quick: bool) -> None:
         from executor.profiler import ProfileSettings, measure_profile, write_profile
     except ImportError:
         _executor_import("profile")
-    if device == "cuda":
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            raise SpecError("no CUDA device on this machine", key="--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("no CUDA device on this machine", key="--device")
     path = Path(out)
     if path.suffix not in (".yaml", ".yml"):
         raise SpecError("the profile file must end in .yaml", key="--out")
@@ -995,7 +994,7 @@ def profile(device: str, world_size: int, out: str, quick: bool) -> None:
     if not os.access(parent, os.W_OK):
         raise SpecError(f"{parent} is not writable", key="--out")
     # One process per core (per GPU on CUDA): more would time the scheduler, not the links.
-    available = (__import__("torch").cuda.device_count() if device == "cuda"
+    available = (torch.cuda.device_count() if device == "cuda"
                  else max(2, os.cpu_count() or 2))
     if world_size > available:
         raise SpecError(f"{world_size} processes on a machine with {available} "

@@ -189,6 +189,20 @@ def test_the_data_section_of_a_job(tmp_path: Path, tokenizer_dir: Path) -> None:
         parse_data("train.jsonl", tmp_path)
 
 
+def grpo_data_mapping(tmp_path: Path, model: str) -> dict:
+    """A small GRPO job on four additions in tmp_path/train.jsonl, scored by a rule function
+    in tmp_path/sums.py, with ``model`` as actor and reference."""
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
+    (tmp_path / "sums.py").write_text("def compute_score(p, r, row):\n    return 0.0\n")
+    return {"algorithm": "grpo",
+            "models": {"actor": model, "ref": model, "reward": "rule"},
+            "cluster": {"nodes": 1, "gpus_per_node": 1},
+            "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
+                         "mini_batches_per_epoch": 1, "prompt_length": 16},
+            "reward_function": {"path": "sums.py"},
+            "data": {"train_files": "train.jsonl"}}
+
+
 def test_a_model_given_as_a_checkpoint_directory_brings_weights_and_tokenizer(
         tmp_path: Path, tokenizer_dir: Path) -> None:
     import shutil
@@ -207,16 +221,8 @@ def test_a_model_given_as_a_checkpoint_directory_brings_weights_and_tokenizer(
                                      torch.float32)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_dir / name, checkpoint / name)
-    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
-    (tmp_path / "sums.py").write_text("def compute_score(p, r, row):\n    return 0.0\n")
-    mapping = {"algorithm": "grpo",
-               "models": {"actor": "my-model", "ref": "my-model", "reward": "rule"},
-               "cluster": {"nodes": 1, "gpus_per_node": 1},
-               "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
-                            "mini_batches_per_epoch": 1, "prompt_length": 16,
-                            "response_length": 4},
-               "reward_function": {"path": "sums.py"},
-               "data": {"train_files": "train.jsonl"}}
+    mapping = grpo_data_mapping(tmp_path, "my-model")
+    mapping["workload"]["response_length"] = 4
     job = job_from_mapping(mapping, base_dir=tmp_path)
     assert job.model_paths == {"actor": str(checkpoint.resolve()),
                                "ref": str(checkpoint.resolve())}
@@ -256,15 +262,8 @@ def test_jobs_the_data_cannot_run_are_refused_before_workers_start(
     from executor.run import ExecutionOptions, validate_for_execution
     from simulator.default_plan import colocate_plan
 
-    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
-    (tmp_path / "sums.py").write_text("def compute_score(p, r, row):\n    return 0.0\n")
-    mapping = {"algorithm": "grpo",
-               "models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "rule"},
-               "cluster": {"nodes": 1, "gpus_per_node": 1},
-               "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
-                            "mini_batches_per_epoch": 1, "prompt_length": 16},
-               "reward_function": {"path": "sums.py"},
-               "data": {"train_files": "train.jsonl", "tokenizer": str(tokenizer_dir)}}
+    mapping = grpo_data_mapping(tmp_path, "tiny-2l")
+    mapping["data"]["tokenizer"] = str(tokenizer_dir)
     mapping.update(change)
     if mapping["algorithm"] == "safe-rlhf":
         mapping["models"] = {r: "tiny-2l" for r in ("actor", "critic", "ref", "cost")}
