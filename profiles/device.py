@@ -3,7 +3,8 @@
 A profile is a YAML file (see ``profiles/devices/``). Peaks come from public specifications;
 efficiency curves say which fraction of a peak an operation of a given size achieves;
 ``corrections`` are multiplicative factors fitted to measured runs (calibration), recorded with
-their provenance.
+their provenance. A profile may carry what one GPU costs to hire (``price_per_gpu_hour``) with
+where that number comes from (``price_source``), for cost-aware planning.
 """
 
 from __future__ import annotations
@@ -260,6 +261,14 @@ class DeviceProfile:
     host_link: HostLink | None = None
     """Copies to and from host memory (None: not described; a framework that offloads states
     to the host then cannot be priced on this device)."""
+    price_per_gpu_hour: float | None = None
+    """What one GPU costs to hire, in US dollars per GPU per hour (None: not priced). The GPU
+    profiles carry a cloud provider's on-demand list price divided by the instance's GPUs, so
+    it includes the host's share (CPUs, memory, network) of the instance."""
+    price_source: str | None = None
+    """Where ``price_per_gpu_hour`` comes from: a citation (provider, instance, region, date),
+    or text starting with "assumed" that says what the number was derived from. Required with
+    a price, and only with one."""
     overheads: Overheads = field(default_factory=Overheads)
     corrections: dict[str, float] = field(default_factory=dict)
     """Fitted multiplicative corrections of predicted seconds (keys: CORRECTION_KEYS)."""
@@ -283,6 +292,25 @@ class DeviceProfile:
                     f"unknown correction (allowed: {', '.join(CORRECTION_KEYS)})",
                     f"corrections.{key}")
             require(value > 0, "must be > 0", f"corrections.{key}")
+        if self.price_per_gpu_hour is None:
+            require(self.price_source is None,
+                    "given without price_per_gpu_hour: add the price it is the source of, "
+                    "or remove it", "price_source")
+        else:
+            price = self.price_per_gpu_hour
+            require(math.isfinite(price) and price > 0,
+                    f"must be > 0 (US dollars per GPU per hour), got {price}",
+                    "price_per_gpu_hour")
+            require(bool(self.price_source and self.price_source.strip()),
+                    "missing: price_per_gpu_hour needs a source (a citation, or 'assumed: ...' "
+                    "saying what the price was derived from)", "price_source")
+
+    @property
+    def price_is_assumed(self) -> bool:
+        """Whether the price is an assumption rather than a cited list price (its
+        ``price_source`` starts with "assumed"); False when the profile has no price."""
+        return (self.price_per_gpu_hour is not None and self.price_source is not None
+                and self.price_source.strip().lower().startswith("assumed"))
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; bf16/fp16 fall back on each other."""
@@ -370,8 +398,14 @@ def _load_profile_cached(name_or_path: str) -> DeviceProfile:
     return load_profile_file(resolve_profile_path(name_or_path))
 
 
+UNSET_KEYS_LEFT_OUT = ("price_per_gpu_hour", "price_source")
+"""Keys ``profile_to_mapping`` leaves out when unset, so that writing a profile without a price
+(the calibrated CPU profile) gives the same file as before profiles could carry one."""
+
+
 def profile_to_mapping(profile: DeviceProfile) -> dict[str, Any]:
-    """The profile as a plain mapping in its file format (for writing YAML)."""
+    """The profile as a plain mapping in its file format (for writing YAML); the price keys
+    appear only when the profile has a price."""
     def value(obj: Any) -> Any:
         if isinstance(obj, EfficiencyCurve):
             return [[float(a), float(b)] for a, b in obj.points]
@@ -384,7 +418,11 @@ def profile_to_mapping(profile: DeviceProfile) -> dict[str, Any]:
             return {k: value(v) for k, v in obj.items()}
         return obj
 
-    return value(profile)
+    mapping = value(profile)
+    for key in UNSET_KEYS_LEFT_OUT:
+        if mapping.get(key) is None:
+            mapping.pop(key, None)
+    return mapping
 
 
 def write_profile_file(profile: DeviceProfile, path: str | Path, header: str = "") -> None:
