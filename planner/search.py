@@ -41,9 +41,9 @@ from simulator.predict import (
     edge_seconds,
     generation_fixed_seconds,
     generation_lengths,
-    node_sequences,
 )
 from simulator.schedule import Step, makespan
+from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER
 from simulator.specs.job import JobSpec
 
@@ -102,8 +102,14 @@ class Candidate:
     placement: Placement
     sizes: tuple[int, ...]
     first_gpus: tuple[int, ...]
+    """Each set's first GPU in its node group."""
     points: tuple[SetPoint, ...]
     iteration_seconds: float
+    node_groups: tuple[int, ...] = ()
+    """Each set's node group (index in the job's ``cluster.node_groups``); empty: all 0."""
+
+    def set_node_groups(self) -> tuple[int, ...]:
+        return self.node_groups or (0,) * len(self.placement)
 
     @property
     def placement_label(self) -> str:
@@ -130,14 +136,17 @@ class Candidate:
         return (rounded(self.iteration_seconds), rounded(self.busy_seconds),
                 rounded(sum(p.resident_bytes for p in self.points)),
                 rounded(sum(p.transient_bytes for p in self.points)),
-                self.placement_label, self.sizes, self.role_labels(tuple(sorted(roles))))
+                self.placement_label, self.sizes, self.set_node_groups(),
+                self.role_labels(tuple(sorted(roles))))
 
     def to_plan(self, job: JobSpec, strategy: str = "searched") -> Plan:
         roles: dict[str, RolePlan] = {}
         sets = []
-        for group, size, first, point in zip(self.placement, self.sizes, self.first_gpus,
-                                              self.points, strict=True):
-            sets.append(ColocatedSet(roles=group, gpus=size, first_gpu=first))
+        for group, size, first, point, node_group in zip(
+                self.placement, self.sizes, self.first_gpus, self.points,
+                self.set_node_groups(), strict=True):
+            sets.append(ColocatedSet(roles=group, gpus=size, first_gpu=first,
+                                     node_group=node_group))
             roles.update(dict(point.plans))
         return Plan(algorithm=job.algorithm, sets=tuple(sets), roles=roles, strategy=strategy)
 
@@ -177,8 +186,9 @@ class SearchResult:
 class _Layout:
     """The schedule template of one placement: group steps per set, controller steps."""
 
-    def __init__(self, job: JobSpec, placement: Placement):
+    def __init__(self, job: JobSpec, placement: Placement, pools: tuple[Pool, ...]):
         self.job = job
+        self.pools = pools
         self.placement = placement
         self.groups = [set_groups(job, roles) for roles in placement]
         location_of_role = {r: i for i, roles in enumerate(placement) for r in roles}
@@ -205,17 +215,17 @@ class _Layout:
         self.fixed = [sum(controller_node(job, job.dataflow.node(n)).seconds for n in nodes)
                       if location == CONTROLLER_LOCATION else 0.0
                       for location, _, nodes in items]
-        self.sequences = {n.name: node_sequences(job, n) for n in job.dataflow.nodes}
-        self.call_seconds = job.cluster.profile().overheads.call_seconds
         self._steps: dict[tuple[int, ...], list[Step]] = {}
         self._free: list[Step] | None = None
 
-    def steps(self, sizes: tuple[int, ...]) -> list[Step]:
-        """Steps with the transfers of this allocation (cached per allocation)."""
-        cached = self._steps.get(sizes)
+    def steps(self, set_pools: tuple[int, ...]) -> list[Step]:
+        """Steps with the transfers when the sets sit on these pools (positions in
+        ``pools``; the transfers do not depend on the sets' sizes). Cached."""
+        cached = self._steps.get(set_pools)
         if cached is not None:
             return cached
         job = self.job
+        on = tuple(self.pools[i] for i in set_pools)
         steps = []
         for location, _, nodes in self.items:
             node = job.dataflow.node(nodes[0])
@@ -223,18 +233,18 @@ class _Layout:
             for dep in node.after:
                 source = self.item_of[dep]
                 src_location = self.items[source][0]
-                seconds = edge_seconds(job, job.dataflow.node(dep), src_location, location)
+                seconds = edge_seconds(job, job.dataflow.node(dep), src_location, location, on)
                 inputs.append((source, seconds))
             steps.append(Step(name="+".join(nodes), location=location,
                               inputs=tuple(dict.fromkeys(inputs))))
-        self._steps[sizes] = steps
+        self._steps[set_pools] = steps
         return steps
 
     @property
     def steps_without_transfers(self) -> list[Step]:
         """The steps with every transfer at zero (bounds for partial allocations)."""
         if self._free is None:
-            full = self.steps(tuple(self.job.cluster.total_gpus for _ in self.placement))
+            full = self.steps(tuple(0 for _ in self.placement))
             self._free = [Step(name=s.name, location=s.location,
                                inputs=tuple((i, 0.0) for i, _ in s.inputs)) for s in full]
         return self._free
@@ -245,26 +255,34 @@ class _Layout:
 
 
 class Search:
-    """One search over a job; reusable caches live here."""
+    """One search over a job; reusable caches live here.
+
+    On a mixed cluster every colocated set lives in one pool (``ClusterSpec.pools``: a node
+    group, or identical groups joined) and the search explores which pool hosts which set as
+    part of the allocation: each set's cost models see its pool's device and network."""
 
     def __init__(self, job: JobSpec, options: SearchOptions | None = None,
                  progress: Callable[[int, int, SearchStats], None] | None = None):
-        if not job.cluster.is_homogeneous:
-            raise SpecError("the planner handles one node group; heterogeneous clusters are "
-                            "not supported yet", key="cluster.node_groups")
         self.job = job
         self.options = options or SearchOptions()
         self.progress = progress
         self.stats = SearchStats()
-        self.profile = job.cluster.profile()
-        self.usable = self.profile.usable_memory_bytes
+        self.pools = job.cluster.pools()
+        self.views = tuple(job.on_pool(p) for p in self.pools)
+        self.usable = tuple(v.cluster.profile().usable_memory_bytes for v in self.views)
+        self.pool_gpus = tuple(p.gpus for p in self.pools)
+        self.pool_gpn = tuple(p.group.gpus_per_node for p in self.pools)
+        self.pool_sizes = tuple(set_sizes(g, n) for g, n in zip(self.pool_gpus, self.pool_gpn,
+                                                                 strict=True))
+        # The single-pool names the rest of the planner reads.
+        self.profile = self.views[0].cluster.profile()
         self.total_gpus = job.cluster.total_gpus
-        self.gpn = job.cluster.gpus_per_node
-        self.sizes = set_sizes(self.total_gpus, self.gpn)
-        self._candidates: dict[tuple[str, int], list[RoleCandidate]] = {}
-        self._generation_cache: dict = {}
-        self._frontiers: dict[tuple[tuple[str, ...], int], list[SetPoint]] = {}
-        self._ideals: dict[tuple[tuple[str, ...], int], tuple[float, ...] | None] = {}
+        self.gpn = self.pool_gpn[0]
+        self.sizes = self.pool_sizes[0]
+        self._candidates: dict[tuple[int, str, int], list[RoleCandidate]] = {}
+        self._generation_cache: tuple[dict, ...] = tuple({} for _ in self.pools)
+        self._frontiers: dict[tuple[int, tuple[str, ...], int], list[SetPoint]] = {}
+        self._ideals: dict[tuple[int, tuple[str, ...], int], tuple[float, ...] | None] = {}
         self._groups: dict[tuple[str, ...], tuple[Group, ...]] = {}
         self._fastest: dict[tuple, float] = {}
         self._top_k = self.options.top_k
@@ -276,25 +294,27 @@ class Search:
             self._groups[roles] = set_groups(self.job, roles)
         return self._groups[roles]
 
-    def candidates(self, role: str, gpus: int) -> list[RoleCandidate]:
-        """Every config of ``role`` on ``gpus`` GPUs that fits alone, costed once."""
-        key = (role, gpus)
+    def candidates(self, role: str, gpus: int, pool: int = 0) -> list[RoleCandidate]:
+        """Every config of ``role`` on ``gpus`` GPUs of pool ``pool`` (a position in
+        ``self.pools``) that fits alone, costed once."""
+        key = (pool, role, gpus)
         if self.options.cache and key in self._candidates:
             return self._candidates[key]
-        plans = role_configs(self.job, role, gpus, self.options.space)
+        view = self.views[pool]
+        plans = role_configs(view, role, gpus, self.options.space)
         self.stats.configs_evaluated += len(plans)
-        result = evaluate_role(self.job, role, plans, self.usable)
+        result = evaluate_role(view, role, plans, self.usable[pool])
         if self.options.cache:
             self._candidates[key] = result
         return result
 
-    def frontier(self, roles: tuple[str, ...], gpus: int) -> list[SetPoint]:
-        key = (roles, gpus)
+    def frontier(self, roles: tuple[str, ...], gpus: int, pool: int = 0) -> list[SetPoint]:
+        key = (pool, roles, gpus)
         if self.options.cache and key in self._frontiers:
             self.stats.frontier_cache_hits += 1
             return self._frontiers[key]
         self.stats.frontiers += 1
-        candidates = {r: self.candidates(r, gpus) for r in roles}
+        candidates = {r: self.candidates(r, gpus, pool) for r in roles}
         points: list[SetPoint] = []
         # Executable plans keep a set's Megatron roles on one layout; studies need not.
         subsets = [candidates] if self.options.space.backend == "simulated" else \
@@ -302,19 +322,20 @@ class Search:
         for subset in subsets:
             if any(not c for c in subset.values()):
                 continue
-            points.extend(set_frontier(self.job, roles, self.groups(roles), subset,
-                                       self.usable, gpus=gpus, prune=self.options.prune,
-                                       generation_cache=self._generation_cache))
+            points.extend(set_frontier(self.views[pool], roles, self.groups(roles), subset,
+                                       self.usable[pool], gpus=gpus, prune=self.options.prune,
+                                       generation_cache=self._generation_cache[pool]))
         points = _unique_points(points)
         if self.options.cache:
             self._frontiers[key] = points
         return points
 
-    def quick_ideal(self, roles: tuple[str, ...], gpus: int) -> tuple[float, ...] | None:
+    def quick_ideal(self, roles: tuple[str, ...], gpus: int,
+                    pool: int = 0) -> tuple[float, ...] | None:
         """A lower bound of every group duration of the set on ``gpus`` GPUs, without building
         its frontier: each operation at its fastest config, generation with the largest running
         batch. None when some model cannot fit on these GPUs even alone."""
-        key = (roles, gpus)
+        key = (pool, roles, gpus)
         if key in self._ideals:
             return self._ideals[key]
         groups = self.groups(roles)
@@ -322,7 +343,7 @@ class Search:
         ideal = [0.0] * len(groups)
         result: tuple[float, ...] | None = None
         for role in roles:
-            cands = self.candidates(role, gpus)
+            cands = self.candidates(role, gpus, pool)
             if not cands:
                 break
             for name, _ in cands[0].node_seconds:
@@ -332,74 +353,95 @@ class Search:
             if generates:
                 ideal[group_of[generates[0].name]] += min(c.transition_seconds for c in cands)
             for node in generates:
-                ideal[group_of[node.name]] += min(self._fastest_generation(node.name, c)
+                ideal[group_of[node.name]] += min(self._fastest_generation(node.name, c, pool)
                                                   for c in cands)
         else:
             result = tuple(ideal)
         self._ideals[key] = result
         return result
 
-    def _fastest_generation(self, name: str, candidate: RoleCandidate) -> float:
-        key = (name, candidate.plan.generation, candidate.plan.parallel.world_size)
+    def _fastest_generation(self, name: str, candidate: RoleCandidate, pool: int) -> float:
+        key = (pool, name, candidate.plan.generation, candidate.plan.parallel.world_size)
         if key not in self._fastest:
-            self._fastest[key] = fastest_generation_seconds(self.job, name, candidate.plan)
+            self._fastest[key] = fastest_generation_seconds(self.views[pool], name,
+                                                            candidate.plan)
         return self._fastest[key]
 
     # ----- per placement -----
 
     def search_placement(self, placement: Placement, top: list) -> None:
-        """Add this placement's best candidates to the heap ``top`` (max-heap by key)."""
-        job = self.job
-        layout = _Layout(job, placement)
+        """Add this placement's best candidates to the heap ``top`` (max-heap by key).
+
+        An allocation gives each set a pool and a number of GPUs there; the sets of one pool
+        must pack into it."""
+        layout = _Layout(self.job, placement, self.pools)
         k = len(placement)
-        sizes_for = []
+        pools = range(len(self.pools))
+        # Each set's options, pool by pool, largest first.
+        options_for: list[list[tuple[int, int]]] = []
         for roles in placement:
-            usable_sizes = [s for s in self.sizes if self.quick_ideal(roles, s) is not None]
-            sizes_for.append(sorted(usable_sizes, reverse=True))
-        if any(not s for s in sizes_for):
+            options_for.append([(p, size) for p in pools
+                                for size in sorted(self.pool_sizes[p], reverse=True)
+                                if self.quick_ideal(roles, size, p) is not None])
+        if any(not o for o in options_for):
             return
-        # Best possible durations of a set given at most g GPUs (for unassigned sets).
-        best_within: list[dict[int, tuple[float, ...]]] = []
-        for roles, options in zip(placement, sizes_for, strict=True):
-            table: dict[int, tuple[float, ...]] = {}
-            for g in self.sizes:
-                vectors = [self.quick_ideal(roles, s) for s in options if s <= g]
-                vectors = [v for v in vectors if v is not None]
-                if vectors:
-                    table[g] = tuple(min(col) for col in zip(*vectors, strict=True))
-            best_within.append(table)
+        # Best possible durations of a set given at most g GPUs of a pool (unassigned sets).
+        best_within: list[list[dict[int, tuple[float, ...]]]] = []
+        for roles, options in zip(placement, options_for, strict=True):
+            per_pool = []
+            for p in pools:
+                table: dict[int, tuple[float, ...]] = {}
+                for g in self.pool_sizes[p]:
+                    vectors = [self.quick_ideal(roles, s, p) for q, s in options
+                               if q == p and s <= g]
+                    vectors = [v for v in vectors if v is not None]
+                    if vectors:
+                        table[g] = tuple(min(col) for col in zip(*vectors, strict=True))
+                per_pool.append(table)
+            best_within.append(per_pool)
 
         def threshold() -> float:
             if len(top) < self._top_k:
                 return math.inf
             return -top[0][0]
 
-        def bound_partial(chosen: list[int]) -> float:
-            remaining = self.total_gpus - sum(chosen)
+        def remaining_in(chosen: list[tuple[int, int]], p: int) -> int:
+            return self.pool_gpus[p] - sum(size for q, size in chosen if q == p)
+
+        def bound_partial(chosen: list[tuple[int, int]]) -> float:
             vectors = []
             for i in range(k):
                 if i < len(chosen):
-                    vectors.append(self.quick_ideal(placement[i], chosen[i]))
-                else:
-                    vector = best_within[i].get(max((g for g in best_within[i]
-                                                     if g <= remaining), default=0))
-                    if vector is None:
-                        return math.inf
-                    vectors.append(vector)
-            steps = (layout.steps(tuple(chosen)) if len(chosen) == k
+                    vectors.append(self.quick_ideal(placement[i], chosen[i][1], chosen[i][0]))
+                    continue
+                # The best the set could do on any pool with the GPUs left there.
+                found = []
+                for p in pools:
+                    table = best_within[i][p]
+                    left = remaining_in(chosen, p)
+                    vector = table.get(max((g for g in table if g <= left), default=0))
+                    if vector is not None:
+                        found.append(vector)
+                if not found:
+                    return math.inf
+                vectors.append(tuple(min(col) for col in zip(*found, strict=True)))
+            steps = (layout.steps(tuple(p for p, _ in chosen)) if len(chosen) == k
                      else layout.steps_without_transfers)
             return makespan(steps, layout.durations(vectors))
 
-        def visit(chosen: list[int]) -> None:
+        def fits(chosen: list[tuple[int, int]], p: int) -> bool:
+            sizes = tuple(size for q, size in chosen if q == p)
+            return pack(sizes, self.pool_gpus[p], self.pool_gpn[p]) is not None
+
+        def visit(chosen: list[tuple[int, int]]) -> None:
             if len(chosen) == k:
                 self.evaluate_allocation(layout, tuple(chosen), top, threshold)
                 return
-            used = sum(chosen)
-            for size in sizes_for[len(chosen)]:
-                if used + size > self.total_gpus:
+            for p, size in options_for[len(chosen)]:
+                if size > remaining_in(chosen, p):
                     continue
-                trial = [*chosen, size]
-                if pack(tuple(trial), self.total_gpus, self.gpn) is None:
+                trial = [*chosen, (p, size)]
+                if not fits(trial, p):
                     continue
                 if self.options.prune and bound_partial(trial) > threshold() + EPSILON:
                     self.stats.partial_allocations_pruned += 1
@@ -408,14 +450,17 @@ class Search:
 
         visit([])
 
-    def evaluate_allocation(self, layout: _Layout, sizes: tuple[int, ...], top: list,
-                            threshold: Callable[[], float]) -> None:
-        """Best point combination of one allocation (branch and bound over the frontiers)."""
+    def evaluate_allocation(self, layout: _Layout, allocation: tuple[tuple[int, int], ...],
+                            top: list, threshold: Callable[[], float]) -> None:
+        """Best point combination of one allocation ((pool, GPUs) per set; branch and bound
+        over the frontiers)."""
         self.stats.allocations += 1
         placement = layout.placement
-        steps = layout.steps(sizes)
-        frontiers = [self.frontier(roles, size) for roles, size in zip(placement, sizes,
-                                                                         strict=True)]
+        set_pools = tuple(p for p, _ in allocation)
+        sizes = tuple(size for _, size in allocation)
+        steps = layout.steps(set_pools)
+        frontiers = [self.frontier(roles, size, p)
+                     for roles, (p, size) in zip(placement, allocation, strict=True)]
         if any(not f for f in frontiers):
             return
         ideals = [tuple(min(col) for col in zip(*(p.durations for p in f), strict=True))
@@ -424,7 +469,8 @@ class Search:
                 threshold() + EPSILON:
             self.stats.allocations_pruned += 1
             return
-        first_gpus = tuple(pack(sizes, self.total_gpus, self.gpn) or ())
+        first_gpus = self.first_gpus(allocation)
+        node_groups = tuple(self.pools[p].index for p in set_pools)
         best: list[Candidate] = []
         chosen: list[SetPoint] = []
 
@@ -439,7 +485,8 @@ class Search:
                 seconds = makespan(steps, layout.durations([p.durations for p in chosen]))
                 self.stats.candidates_evaluated += 1
                 candidate = Candidate(placement=placement, sizes=sizes, first_gpus=first_gpus,
-                                      points=tuple(chosen), iteration_seconds=seconds)
+                                      points=tuple(chosen), iteration_seconds=seconds,
+                                      node_groups=node_groups)
                 if not best or candidate.sort_key() < best[0].sort_key():
                     best[:] = [candidate]
                 return
@@ -456,6 +503,17 @@ class Search:
         visit(0)
         if best:
             _push(top, best[0], self._top_k)
+
+    def first_gpus(self, allocation: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+        """Each set's first GPU in its pool (the sets of a pool packed together)."""
+        first = [0] * len(allocation)
+        for p in {p for p, _ in allocation}:
+            members = [i for i, (q, _) in enumerate(allocation) if q == p]
+            packed = pack(tuple(allocation[i][1] for i in members), self.pool_gpus[p],
+                          self.pool_gpn[p]) or ()
+            for i, gpu in zip(members, packed, strict=True):
+                first[i] = gpu
+        return tuple(first)
 
     # ----- whole search -----
 
@@ -550,49 +608,78 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
     no groups, no bounds, no search caches. Exponential: small cases only."""
     import itertools
 
+    space = space or SpaceOptions()
+    pools = job.cluster.pools()
+    best: Candidate | None = None
+    for placement in allowed_placements(job, placements_to_try):
+        for on in itertools.product(range(len(pools)), repeat=len(placement)):
+            views = [job.on_pool(pools[p]) for p in on]
+            size_options = [set_sizes(pools[p].gpus, pools[p].group.gpus_per_node) for p in on]
+            for allocation in itertools.product(*size_options):
+                first = _packed_in_pools(allocation, on, pools)
+                if first is None:
+                    continue
+                per_role = {role: role_configs(view, role, size, space)
+                            for group, size, view in zip(placement, allocation, views,
+                                                         strict=True)
+                            for role in group}
+                best = _best_combination(job, placement, allocation, first, on, pools,
+                                         per_role, space, best)
+    return best
+
+
+def _packed_in_pools(allocation: tuple[int, ...], on: tuple[int, ...],
+                     pools: tuple[Pool, ...]) -> list[int] | None:
+    """Each set's first GPU in its pool, or None when some pool's sets do not fit it."""
+    first = [0] * len(allocation)
+    for p in set(on):
+        members = [i for i, q in enumerate(on) if q == p]
+        packed = pack(tuple(allocation[i] for i in members), pools[p].gpus,
+                      pools[p].group.gpus_per_node)
+        if packed is None:
+            return None
+        for i, gpu in zip(members, packed, strict=True):
+            first[i] = gpu
+    return first
+
+
+def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int, ...],
+                      first: list[int], on: tuple[int, ...], pools: tuple[Pool, ...],
+                      per_role: dict, space: SpaceOptions,
+                      best: Candidate | None) -> Candidate | None:
+    """``best`` or a better candidate among every config combination of one allocation."""
+    import itertools
+
     from simulator.engine import iteration_seconds
     from simulator.predict import estimate_plan
 
-    space = space or SpaceOptions()
-    total, gpn = job.cluster.total_gpus, job.cluster.gpus_per_node
-    sizes = set_sizes(total, gpn)
-    best: Candidate | None = None
-    for placement in allowed_placements(job, placements_to_try):
-        for allocation in itertools.product(sizes, repeat=len(placement)):
-            first = pack(allocation, total, gpn)
-            if first is None:
-                continue
-            per_role = {role: role_configs(job, role, size, space)
-                        for group, size in zip(placement, allocation, strict=True)
-                        for role in group}
-            roles = list(per_role)
-            for combo in itertools.product(*(per_role[r] for r in roles)):
-                chosen = dict(zip(roles, combo, strict=True))
-                plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
-                    ColocatedSet(roles=g, gpus=s, first_gpu=f)
-                    for g, s, f in zip(placement, allocation, first, strict=True)))
-                if space.backend != "simulated":
-                    try:
-                        plan.check_backends()
-                    except SpecError:
-                        continue  # Megatron roles of a set on different layouts
-                estimate = estimate_plan(job, plan)
-                if not estimate.feasible:
-                    continue
-                transition_seconds = (estimate.transition.seconds
-                                      if estimate.transition is not None else 0.0)
-                points = tuple(SetPoint(
-                    durations=(sum(n.seconds for n in estimate.nodes.values()
-                                   if n.location == i)
-                               + (transition_seconds if "actor" in g else 0.0),),
-                    plans=tuple((r, chosen[r]) for r in g), peak=estimate.memory[i].peak,
-                    resident_bytes=estimate.memory[i].resident.total,
-                    transient_bytes=estimate.memory[i].peak.total
-                    - estimate.memory[i].resident.total)
-                    for i, g in enumerate(placement))
-                candidate = Candidate(placement=placement, sizes=allocation,
-                                      first_gpus=tuple(first), points=points,
-                                      iteration_seconds=iteration_seconds(job, estimate))
-                if best is None or candidate.sort_key() < best.sort_key():
-                    best = candidate
+    roles = list(per_role)
+    node_groups = tuple(pools[p].index for p in on)
+    for combo in itertools.product(*(per_role[r] for r in roles)):
+        chosen = dict(zip(roles, combo, strict=True))
+        plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
+            ColocatedSet(roles=g, gpus=s, first_gpu=f, node_group=n)
+            for g, s, f, n in zip(placement, allocation, first, node_groups, strict=True)))
+        if space.backend != "simulated":
+            try:
+                plan.check_backends()
+            except SpecError:
+                continue  # Megatron roles of a set on different layouts
+        estimate = estimate_plan(job, plan)
+        if not estimate.feasible:
+            continue
+        transition_seconds = (estimate.transition.seconds
+                              if estimate.transition is not None else 0.0)
+        points = tuple(SetPoint(
+            durations=(sum(n.seconds for n in estimate.nodes.values() if n.location == i)
+                       + (transition_seconds if "actor" in g else 0.0),),
+            plans=tuple((r, chosen[r]) for r in g), peak=estimate.memory[i].peak,
+            resident_bytes=estimate.memory[i].resident.total,
+            transient_bytes=estimate.memory[i].peak.total - estimate.memory[i].resident.total)
+            for i, g in enumerate(placement))
+        candidate = Candidate(placement=placement, sizes=allocation, first_gpus=tuple(first),
+                              points=points, iteration_seconds=iteration_seconds(job, estimate),
+                              node_groups=node_groups)
+        if best is None or candidate.sort_key() < best.sort_key():
+            best = candidate
     return best

@@ -38,7 +38,10 @@ class ColocatedSet:
     gpus: int
     """GPUs of this set."""
     first_gpu: int = 0
-    """Index of the set's first GPU in the cluster (node = index // gpus_per_node)."""
+    """Index of the set's first GPU in its node group (node = index // gpus_per_node)."""
+    node_group: int = 0
+    """Index in the job's ``cluster.node_groups`` of the group the set runs on (a set never
+    spans groups, except identical ones, which form one pool counted from the first)."""
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -47,6 +50,9 @@ class ColocatedSet:
             raise SpecError(f"must be a positive integer, got {self.gpus}", key="gpus")
         if self.first_gpu < 0:
             raise SpecError("must be >= 0", key="first_gpu")
+        if self.node_group < 0:
+            raise SpecError("must be >= 0 (an index into cluster.node_groups)",
+                            key="node_group")
 
     def label(self) -> str:
         return ",".join(self.roles)
@@ -198,35 +204,48 @@ class Plan:
                             "in host memory and swaps them into the actor's model: 'ref' must "
                             "be in the actor's set", key="sets")
         cluster = job.cluster
-        total = cluster.total_gpus
-        gpus_per_node = cluster.gpus_per_node
-        if self.total_gpus > total:
-            raise SpecError(f"the sets use {self.total_gpus} GPUs but the cluster has {total}",
-                            key="sets")
-        ranges = sorted((s.first_gpu, s.first_gpu + s.gpus, i) for i, s in enumerate(self.sets))
-        for (a0, a1, ia), (b0, _b1, ib) in itertools.pairwise(ranges):
-            if b0 < a1:
-                raise SpecError(f"sets {ia} and {ib} overlap (GPUs {a0}-{a1 - 1} and from {b0})",
-                                key=f"sets[{ib}].first_gpu")
+        pool_of: list = []
         for i, s in enumerate(self.sets):
-            if s.first_gpu + s.gpus > total:
-                raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} are outside the "
-                                f"cluster's {total}", key=f"sets[{i}].first_gpu")
-            # The cost model prices a set as part of one node or as whole nodes.
-            inside_one_node = s.first_gpu // gpus_per_node == \
-                (s.first_gpu + s.gpus - 1) // gpus_per_node
-            whole_nodes = s.first_gpu % gpus_per_node == 0 and s.gpus % gpus_per_node == 0
-            if not (inside_one_node or whole_nodes):
-                raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} cover part of "
-                                f"more than one node of {gpus_per_node} GPUs; a set lies inside "
-                                "one node or is whole nodes starting on a node boundary",
-                                key=f"sets[{i}].first_gpu")
+            if s.node_group >= len(cluster.node_groups):
+                raise SpecError(f"node group {s.node_group} does not exist (the cluster has "
+                                f"{len(cluster.node_groups)}: 0-{len(cluster.node_groups) - 1})",
+                                key=f"sets[{i}].node_group")
+            pool_of.append(cluster.pool_of(s.node_group))
+        for pool in {p.index: p for p in pool_of}.values():
+            members = [i for i, p in enumerate(pool_of) if p.index == pool.index]
+            used = sum(self.sets[i].gpus for i in members)
+            where = "the cluster" if cluster.is_homogeneous else f"node group {pool.index}"
+            if used > pool.gpus:
+                raise SpecError(f"the sets use {used} GPUs but {where} has {pool.gpus}",
+                                key="sets")
+            ranges = sorted((self.sets[i].first_gpu, self.sets[i].first_gpu + self.sets[i].gpus,
+                             i) for i in members)
+            for (a0, a1, ia), (b0, _b1, ib) in itertools.pairwise(ranges):
+                if b0 < a1:
+                    raise SpecError(f"sets {ia} and {ib} overlap (GPUs {a0}-{a1 - 1} and from "
+                                    f"{b0})", key=f"sets[{ib}].first_gpu")
+            gpus_per_node = pool.group.gpus_per_node
+            for i in members:
+                s = self.sets[i]
+                if s.first_gpu + s.gpus > pool.gpus:
+                    raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} are outside "
+                                    f"{where}'s {pool.gpus}", key=f"sets[{i}].first_gpu")
+                # The cost model prices a set as part of one node or as whole nodes.
+                inside_one_node = s.first_gpu // gpus_per_node == \
+                    (s.first_gpu + s.gpus - 1) // gpus_per_node
+                whole_nodes = s.first_gpu % gpus_per_node == 0 and s.gpus % gpus_per_node == 0
+                if not (inside_one_node or whole_nodes):
+                    raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} cover part "
+                                    f"of more than one node of {gpus_per_node} GPUs; a set lies "
+                                    "inside one node or is whole nodes starting on a node "
+                                    "boundary", key=f"sets[{i}].first_gpu")
         for role in gpu_roles:
             key = f"roles.{role}"
             if role not in self.roles:
                 raise SpecError("missing parallel config", key=key)
             rp = self.roles[role]
             s = self.set_of(role)
+            gpus_per_node = pool_of[self.set_index(role)].group.gpus_per_node
             model = job.model(role)
             par = rp.parallel
             par.check_model(model, gpus_per_node=gpus_per_node, key=f"{key}.parallel")

@@ -23,6 +23,7 @@ from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_st
 from simulator.costs.transfer import transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.plan import Plan, RolePlan
+from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, Node
 from simulator.specs.job import JobSpec
 from simulator.specs.model import ModelSpec
@@ -408,17 +409,31 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
 
 
 def edge_seconds(job: JobSpec, producer: Node, producer_location: int,
-                 consumer_location: int) -> float:
+                 consumer_location: int, set_pools: tuple[Pool, ...] | None = None) -> float:
     """Seconds between a producer ending and its consumer starting: the controller collects
     the result and dispatches the next call (``call_seconds``), and the batch crosses the
-    controller's link on each leg between a worker and the controller."""
-    profile = job.cluster.profile()
+    controller's link on each leg between a worker and the controller. ``set_pools`` gives
+    each set's pool on a mixed cluster: a batch between sets on different pools crosses the
+    link between them (``ClusterSpec.link_between``) on both legs."""
     legs = (producer_location != CONTROLLER_LOCATION) + (consumer_location != CONTROLLER_LOCATION)
+    profile = link_profile(job, producer_location, consumer_location, set_pools)
     call = profile.overheads.call_seconds + job.framework_profile.fixed_costs.call_seconds
     return call + transfer_seconds(
         profile, sequences=node_sequences(job, producer),
         tokens_per_sequence=job.workload.mean_sequence_tokens(), operation=producer.operation,
         legs=legs)
+
+
+def link_profile(job: JobSpec, location_a: int, location_b: int,
+                 set_pools: tuple[Pool, ...] | None) -> DeviceProfile:
+    """The device profile whose links carry a batch between two locations (sets or the
+    controller): the cluster's on one group, else the link between the sets' pools."""
+    if set_pools is None or job.cluster.is_homogeneous:
+        return job.cluster.profile()
+    pools = [set_pools[loc] for loc in (location_a, location_b) if loc != CONTROLLER_LOCATION]
+    if not pools:
+        return set_pools[0].group.profile()
+    return job.cluster.link_between(pools[0], pools[-1])
 
 
 def first_generate_node(job: JobSpec) -> str:
@@ -434,9 +449,11 @@ def transition_scheme_of(job: JobSpec, actor: RolePlan) -> Scheme:
 def estimate_plan(job: JobSpec, plan: Plan, *,
                   transition_scheme: Scheme | None = None) -> PlanEstimate:
     """Predict every node of ``job``'s dataflow under ``plan`` (one iteration).
-    ``transition_scheme`` overrides the framework's resharding scheme (to compare)."""
-    profile = job.cluster.profile()
-    gpn = job.cluster.gpus_per_node
+    ``transition_scheme`` overrides the framework's resharding scheme (to compare). On a
+    mixed cluster each set is priced on its own group's device and network."""
+    set_pools = tuple(job.cluster.pool_of(s.node_group) for s in plan.sets)
+    views = [job.on_pool(pool) for pool in set_pools]
+    view_of = {r: views[i] for i, s in enumerate(plan.sets) for r in s.roles}
     dtype = job.workload.dtype
     dataflow = job.dataflow
     reasons: list[str] = []
@@ -446,11 +463,11 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     for role in job.gpu_roles:
         resident[role], freed_grads[role] = role_state(job, role, plan.roles[role].parallel)
     set_resident = [sum((resident[r] for r in s.roles), MemoryBreakdown()) for s in plan.sets]
-    offloads = {r: offload_state(job, r, plan.roles[r].parallel) for r in job.gpu_roles}
+    offloads = {r: offload_state(view_of[r], r, plan.roles[r].parallel) for r in job.gpu_roles}
     set_offload = [sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
                    for s in plan.sets]
     set_offload_seconds = [sum(offloads[r][1] for r in s.roles) for s in plan.sets]
-    set_offload_out_seconds = [sum(offload_copy_seconds(job, r, plan.roles[r].parallel)[1]
+    set_offload_out_seconds = [sum(offload_copy_seconds(view_of[r], r, plan.roles[r].parallel)[1]
                                    for r in s.roles) for s in plan.sets]
 
     nodes: dict[str, NodeEstimate] = {}
@@ -459,7 +476,7 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
             nodes[node.name] = controller_node(job, node)
             continue
         location = plan.set_index(node.role)
-        estimate = model_node(job, node, plan.roles[node.role], location=location,
+        estimate = model_node(views[location], node, plan.roles[node.role], location=location,
                               set_resident_bytes=set_resident[location].total,
                               resident=resident[node.role],
                               freed_grads=freed_grads[node.role],
@@ -482,7 +499,7 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
                                   else MemoryBreakdown())
         sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=set_resident[i],
                        peak=peak, peak_node=worst.name if worst else "",
-                       available_bytes=profile.usable_memory_bytes)
+                       available_bytes=views[i].cluster.profile().usable_memory_bytes)
         memory.append(sm)
         if not sm.fits:
             reasons.append(sm.message())
@@ -492,8 +509,10 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     schemes: dict[str, TransitionCost] = {}
     chosen = None
     if actor_plan is not None and actor_plan.generation is not None:
-        schemes = compare_schemes(job.model("actor"), profile, actor_plan.parallel,
-                                  actor_plan.generation, dtype=dtype, gpus_per_node=gpn)
+        actor_view = view_of["actor"]
+        schemes = compare_schemes(job.model("actor"), actor_view.cluster.profile(),
+                                  actor_plan.parallel, actor_plan.generation, dtype=dtype,
+                                  gpus_per_node=actor_view.cluster.gpus_per_node)
         chosen = schemes[transition_scheme or transition_scheme_of(job, actor_plan)]
 
     # Every edge goes through the controller.
@@ -501,7 +520,7 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     for node in dataflow.nodes:
         for dep in node.after:
             seconds = edge_seconds(job, dataflow.node(dep), nodes[dep].location,
-                                   nodes[node.name].location)
+                                   nodes[node.name].location, set_pools)
             if seconds > 0:
                 transfers[(dep, node.name)] = seconds
 

@@ -55,8 +55,14 @@ class NodeGroup:
     """The nodes' NICs (default: the device profile's, e.g. a DGX's eight)."""
     inter_node_bandwidth_gbps: float | None = None
     """Shorthand for one NIC per GPU of this many Gbit/s (``network`` says more; give one)."""
+    price_per_gpu_hour: float | None = None
+    """US dollars per GPU per hour on this group (default: the device profile's
+    ``price_per_gpu_hour``); what the cost objectives of ``plan`` and ``compare`` charge."""
 
     def __post_init__(self) -> None:
+        if self.price_per_gpu_hour is not None:
+            require(self.price_per_gpu_hour > 0, f"must be > 0 (US dollars per GPU per hour), "
+                    f"got {self.price_per_gpu_hour}", "price_per_gpu_hour")
         require(self.nodes > 0, f"must be a positive integer, got {self.nodes}", "nodes")
         require(self.gpus_per_node > 0, f"must be a positive integer, got {self.gpus_per_node}",
                 "gpus_per_node")
@@ -87,6 +93,11 @@ class NodeGroup:
                            nic_bandwidth_gbps=self.inter_node_bandwidth_gbps)
         return None
 
+    def pool_key(self) -> tuple:
+        """What makes two groups interchangeable: same device, node size, network and price."""
+        return (self.device, self.gpus_per_node, self.effective_network(),
+                self.price_per_gpu_hour)
+
     def profile(self) -> DeviceProfile:
         """The device profile, with the cluster's network applied."""
         try:
@@ -115,22 +126,85 @@ def _with_network(base: DeviceProfile, network: Network) -> DeviceProfile:
     return _OVERRIDDEN[key]
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """GPUs a colocated set may be placed on: one node group, or several identical ones (same
+    device, node size, network and price) when nothing slower joins them, since nodes of
+    identical groups then reach each other as they reach their own group's nodes."""
+
+    index: int
+    """Index in the job of the pool's first node group (what a plan's ``node_group`` says)."""
+    members: tuple[int, ...]
+    """Indices in the job of every node group in the pool."""
+    group: NodeGroup
+    """The pool as one group (the members' nodes added up)."""
+
+    @property
+    def gpus(self) -> int:
+        return self.group.gpus
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ClusterSpec:
-    """The cluster: one or more node groups.
+    """The cluster: one or more node groups, each with its own device and network.
 
     In YAML either the short form ``{nodes, gpus_per_node, device, network}``
-    for one group, or ``{node_groups: [...]}``. The simulator and planner currently handle
-    homogeneous clusters (one group); files with several groups load and are rejected there.
+    for one group, or ``{node_groups: [...], inter_group_network: {...}}``. Each colocated
+    set lives inside one pool (``pools``): one group, or identical groups joined.
     """
 
     node_groups: tuple[NodeGroup, ...] = field(default_factory=tuple)
+    inter_group_network: Network | None = None
+    """How a node of one group reaches a node of another (default: the slower of the two
+    groups' own inter-node networks). Batches between sets on different groups cross it."""
 
     def __post_init__(self) -> None:
         require(len(self.node_groups) > 0, "at least one node group is required", "node_groups")
         total = sum(g.gpus for g in self.node_groups)
         require(total <= MAX_CLUSTER_GPUS, f"{total} GPUs in all is above the planner's limit "
                 f"of {MAX_CLUSTER_GPUS}", "node_groups")
+
+    def pools(self) -> tuple[Pool, ...]:
+        """The pools sets are placed on: identical groups joined into one, unless the job gives
+        an ``inter_group_network`` (then every group is its own pool)."""
+        if self.is_homogeneous:
+            return (Pool(index=0, members=(0,), group=self.node_groups[0]),)
+        members: dict[tuple, list[int]] = {}
+        for i, g in enumerate(self.node_groups):
+            key = g.pool_key() if self.inter_group_network is None else (i,)
+            members.setdefault(key, []).append(i)
+        pools = []
+        for indices in members.values():
+            first = self.node_groups[indices[0]]
+            nodes = sum(self.node_groups[i].nodes for i in indices)
+            pools.append(Pool(index=indices[0], members=tuple(indices),
+                              group=replace(first, nodes=nodes)))
+        return tuple(pools)
+
+    def pool_of(self, node_group: int) -> Pool:
+        """The pool holding the job's node group ``node_group``."""
+        for pool in self.pools():
+            if node_group in pool.members:
+                return pool
+        raise SpecError(f"node group {node_group} does not exist (the cluster has "
+                        f"{len(self.node_groups)})", key="node_group")
+
+    def pool_cluster(self, pool: Pool) -> ClusterSpec:
+        """The cluster as seen from a set on ``pool``: that pool alone."""
+        if self.is_homogeneous:
+            return self
+        return ClusterSpec(node_groups=(pool.group,))
+
+    def link_between(self, a: Pool, b: Pool) -> DeviceProfile:
+        """The device profile whose inter-node link prices a batch between a node of ``a`` and
+        one of ``b``: the inter-group network when the job gives one, else the slower side."""
+        pa, pb = a.group.profile(), b.group.profile()
+        if a.index == b.index:
+            return pa
+        if self.inter_group_network is not None:
+            return _with_network(pa, self.inter_group_network)
+        return pa if pa.inter_node.bandwidth_bytes_per_s <= pb.inter_node.bandwidth_bytes_per_s \
+            else pb
 
     @classmethod
     def homogeneous(cls, nodes: int, gpus_per_node: int = 8, device: str = "a100-80gb",
@@ -185,10 +259,17 @@ class ClusterSpec:
                                   "nic_bandwidth_gbps": g.network.nic_bandwidth_gbps}
             if g.inter_node_bandwidth_gbps is not None:
                 out["inter_node_bandwidth_gbps"] = g.inter_node_bandwidth_gbps
+            if g.price_per_gpu_hour is not None:
+                out["price_per_gpu_hour"] = g.price_per_gpu_hour
             return out
         if self.is_homogeneous:
             return group_dict(self.node_groups[0])
-        return {"node_groups": [group_dict(g) for g in self.node_groups]}
+        out: dict[str, Any] = {"node_groups": [group_dict(g) for g in self.node_groups]}
+        if self.inter_group_network is not None:
+            out["inter_group_network"] = {
+                "nics_per_node": self.inter_group_network.nics_per_node,
+                "nic_bandwidth_gbps": self.inter_group_network.nic_bandwidth_gbps}
+        return out
 
     def with_total_gpus(self, gpus: int) -> ClusterSpec:
         """The same homogeneous cluster resized to ``gpus`` (whole nodes, or one partial node)."""

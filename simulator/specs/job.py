@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from profiles.datafile import SpecError, from_mapping, read_mapping, require
 from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
-from simulator.specs.cluster import ClusterSpec
+from simulator.specs.cluster import ClusterSpec, Pool
 from simulator.specs.data import DataSpec, parse_data
 from simulator.specs.dataflow import (
     CONTROLLER,
@@ -122,6 +122,11 @@ class RewardFunction:
         require(self.name.isidentifier(), f"{self.name!r} is not a function name", "name")
 
 
+_POOL_VIEWS: dict[tuple[int, int], tuple[JobSpec, JobSpec]] = {}
+"""(id(job), pool index) -> (job, its view on the pool); the job is kept so its id is not
+reused while the entry lives."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class JobSpec:
     """An RLHF job: what runs (algorithm, models), where (cluster) and on what (workload)."""
@@ -192,28 +197,29 @@ class JobSpec:
             raise SpecError("grpo normalises rewards within a group: samples_per_prompt must be "
                             f">= 2, got {self.workload.samples_per_prompt}",
                             key="workload.samples_per_prompt")
-        if self.cluster.is_homogeneous:
-            gpus_per_node = self.cluster.gpus_per_node
-            for role, pin in self.parallel.items():
-                if role not in self.gpu_roles:
-                    raise SpecError(f"no model runs as {role!r} on GPUs (GPU roles: "
-                                    f"{', '.join(self.gpu_roles)})", key=f"parallel.{role}")
-                for key in ("tp", "generation_tp"):
-                    value = getattr(pin, key)
-                    if value is not None and value > gpus_per_node:
-                        raise SpecError(f"{key}={value} is larger than a node ({gpus_per_node} "
-                                        "GPUs); tensor parallelism stays inside a node",
-                                        key=f"parallel.{role}.{key}")
-                model = self.model(role)
-                for key in ("tp", "generation_tp"):
-                    value = getattr(pin, key)
-                    if value is not None and model.heads % value:
-                        raise SpecError(f"{key}={value} does not divide the {model.heads} heads "
-                                        f"of {model.name}", key=f"parallel.{role}.{key}")
-                if role != "actor" and (pin.generation_tp or pin.generation_pp or
-                                        pin.max_num_seqs or pin.gpu_memory_utilization):
-                    raise SpecError("only the actor generates", key=f"parallel.{role}")
-                _check_pin_layout(pin, model, key=f"parallel.{role}")
+        # A pin must fit the largest node of the cluster (on a mixed cluster the search keeps
+        # the roles whose pins need bigger nodes off the smaller groups).
+        gpus_per_node = max(g.gpus_per_node for g in self.cluster.node_groups)
+        for role, pin in self.parallel.items():
+            if role not in self.gpu_roles:
+                raise SpecError(f"no model runs as {role!r} on GPUs (GPU roles: "
+                                f"{', '.join(self.gpu_roles)})", key=f"parallel.{role}")
+            for key in ("tp", "generation_tp"):
+                value = getattr(pin, key)
+                if value is not None and value > gpus_per_node:
+                    raise SpecError(f"{key}={value} is larger than a node ({gpus_per_node} "
+                                    "GPUs); tensor parallelism stays inside a node",
+                                    key=f"parallel.{role}.{key}")
+            model = self.model(role)
+            for key in ("tp", "generation_tp"):
+                value = getattr(pin, key)
+                if value is not None and model.heads % value:
+                    raise SpecError(f"{key}={value} does not divide the {model.heads} heads "
+                                    f"of {model.name}", key=f"parallel.{role}.{key}")
+            if role != "actor" and (pin.generation_tp or pin.generation_pp or
+                                    pin.max_num_seqs or pin.gpu_memory_utilization):
+                raise SpecError("only the actor generates", key=f"parallel.{role}")
+            _check_pin_layout(pin, model, key=f"parallel.{role}")
         for role, chosen in self.backends.items():
             if role not in self.gpu_roles:
                 raise SpecError(f"no model runs as {role!r} on GPUs (GPU roles: "
@@ -288,6 +294,24 @@ class JobSpec:
 
     def with_cluster(self, cluster: ClusterSpec) -> JobSpec:
         return replace(self, cluster=cluster)
+
+    def on_pool(self, pool: Pool) -> JobSpec:
+        """The job as a set on ``pool`` sees it: the cluster reduced to that pool (its device,
+        node size and network). The job itself when the cluster is one group."""
+        if self.cluster.is_homogeneous:
+            return self
+        key = (id(self), pool.index)
+        cached = _POOL_VIEWS.get(key)
+        if cached is None or cached[0] is not self:
+            if len(_POOL_VIEWS) > 256:
+                _POOL_VIEWS.clear()
+            cached = (self, replace(self, cluster=self.cluster.pool_cluster(pool)))
+            _POOL_VIEWS[key] = cached
+        return cached[1]
+
+    def on_set(self, node_group: int) -> JobSpec:
+        """``on_pool`` for a set placed on the job's node group ``node_group``."""
+        return self.on_pool(self.cluster.pool_of(node_group))
 
     def to_value(self) -> dict[str, Any]:
         """The job as a plain mapping (what a job YAML would hold; models inlined)."""
