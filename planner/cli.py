@@ -346,7 +346,7 @@ def simulation_json(job: Any, plan: Any, result: Any, estimate: Any) -> dict[str
         "job": job.name or None,
         "algorithm": job.algorithm,
         "gpus": job.cluster.total_gpus,
-        "device": job.cluster.profile().name,
+        "device": job.cluster.device_label,
         "cost_model": result.mode,
         "iterations": result.iterations,
         "placement": plan.placement,
@@ -447,9 +447,8 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
 
 def _print_simulation(job: Any, plan: Any, result: Any, estimate: Any) -> None:
     cluster = job.cluster
-    click.echo(f"{job.algorithm.upper()} on {cluster.total_gpus} x {cluster.profile().name} "
-               f"({result.mode} cost model)")
-    click.echo(f"plan      {plan.describe()}")
+    click.echo(f"{job.algorithm.upper()} on {cluster.describe()} ({result.mode} cost model)")
+    click.echo(f"plan      {plan.describe(job)}")
     if not result.feasible:
         click.echo("result    infeasible")
         return
@@ -482,9 +481,24 @@ def _number_list(text: str, parse: Any, flag: str) -> tuple:
 
 
 def _search_options(top: int, backend: str, micro_batches: str, max_num_seqs: str = "",
-                    memory_utilization: str = "") -> Any:
+                    memory_utilization: str = "", objective: str = "throughput",
+                    pay_for: str = "cluster", deadline: float | None = None,
+                    deadline_without_objective: bool = False) -> Any:
+    from planner.objective import Ranking
     from planner.search import SearchOptions
     from planner.space import SpaceOptions
+
+    flags = {"objective": "--objective", "pay_for": "--pay-for",
+             "deadline_seconds_per_iteration": "--deadline-seconds-per-iteration"}
+    try:
+        ranking = Ranking(objective=objective, pay_for=pay_for,  # type: ignore[arg-type]
+                          deadline_seconds_per_iteration=deadline)
+    except SpecError as exc:
+        raise SpecError(exc.problem, key=flags.get(exc.key or "", exc.key)) from None
+    if deadline is not None and objective != "cost-at-deadline" and \
+            not deadline_without_objective:
+        raise SpecError("a deadline ranks plans only with --objective cost-at-deadline",
+                        key="--deadline-seconds-per-iteration")
 
     sizes = _number_list(micro_batches, int, "--micro-batches")
     if not sizes or min(sizes) < 1:
@@ -495,7 +509,7 @@ def _search_options(top: int, backend: str, micro_batches: str, max_num_seqs: st
     fractions = _number_list(memory_utilization, float, "--gpu-memory-utilization")
     if fractions and not all(0 < f <= 1 for f in fractions):
         raise SpecError("fractions must be in (0, 1]", key="--gpu-memory-utilization")
-    return SearchOptions(top_k=top, space=SpaceOptions(
+    return SearchOptions(top_k=top, ranking=ranking, space=SpaceOptions(
         backend=backend, micro_batches=sizes, max_num_seqs=caps,  # type: ignore[arg-type]
         memory_utilization=fractions))
 
@@ -503,9 +517,6 @@ def _search_options(top: int, backend: str, micro_batches: str, max_num_seqs: st
 def _resized(job: Any, gpus: int | None, source: str | None) -> Any:
     if gpus is None:
         return job
-    if not job.cluster.is_homogeneous:
-        with _about(source):
-            job.cluster.only_group()  # raises: the message names cluster.node_groups
     try:
         return job.with_cluster(job.cluster.with_total_gpus(gpus))
     except SpecError as exc:
@@ -522,6 +533,21 @@ def _about(source: str | None) -> Iterator[None]:
 
 
 def _search_flags(f: Any) -> Any:
+    f = click.option("--deadline-seconds-per-iteration", "deadline", type=float, default=None,
+                     help="With --objective cost-at-deadline: the slowest iteration allowed, "
+                          "in seconds (compare: also reports the cheapest cluster size that "
+                          "meets it).")(f)
+    f = click.option("--pay-for", "pay_for", type=click.Choice(["cluster", "used"]),
+                     default="cluster", show_default=True,
+                     help="Dollars count every GPU of the cluster (unused ones too), or only "
+                          "the GPUs the plan uses.")(f)
+    f = click.option("--objective", type=click.Choice(["throughput", "cost",
+                                                       "cost-at-deadline"]),
+                     default="throughput", show_default=True,
+                     help="Rank plans by tokens per second, by tokens per dollar (fewest "
+                          "dollars per iteration), or by dollars among the plans that meet "
+                          "--deadline-seconds-per-iteration. Prices: the device profiles' "
+                          "price_per_gpu_hour or the job's node groups'.")(f)
     f = click.option("--gpu-memory-utilization", "memory_utilization", default="",
                      help="Rollout gpu_memory_utilization values to try beside the framework's "
                           "default, e.g. 0.5,0.7,0.9.")(f)
@@ -556,8 +582,8 @@ def _search_flags(f: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
          plan_path: str | None, top: int, backend: str, micro_batches: str,
-         max_num_seqs: str, memory_utilization: str,
-         as_json: bool) -> None:
+         max_num_seqs: str, memory_utilization: str, objective: str, pay_for: str,
+         deadline: float | None, as_json: bool) -> None:
     """Search the best placement and parallel configs; write the plan and a report."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
@@ -573,7 +599,8 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         _checked(given, job, plan_path)
     else:
         job = _resized(_load_job(config), gpus, config)
-    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization)
+    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization,
+                              objective, pay_for, deadline)
     pinned = None
     if placement:
         try:
@@ -583,9 +610,10 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         pinned = tuple(tuple(r for r in job.gpu_roles if r in g) for g in groups)
     from planner.provenance import stale_calibration
 
-    stale = stale_calibration(job.cluster.profile())
-    if stale:
-        click.echo(f"hybridflow: warning: {stale}", err=True)
+    for profile in {p.name: p for p in job.cluster.profiles()}.values():
+        stale = stale_calibration(profile)
+        if stale:
+            click.echo(f"hybridflow: warning: {stale}", err=True)
     progress = SearchProgress(enabled=not as_json)
     with _about(config or plan_path):
         result = plan_job(job, options, pinned=pinned, given=given, progress=progress)
@@ -602,28 +630,36 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
 
 
 def _print_plan(result: Any, files: Any) -> None:
+    from reports.render import gpus_label
+
     job = result.job
-    click.echo(f"{job.algorithm.upper()} on {job.cluster.total_gpus} x "
-               f"{job.cluster.profile().name}: searched in {result.search_seconds:.2f} s "
+    click.echo(f"{job.algorithm.upper()} on {job.cluster.describe()}: searched in "
+               f"{result.search_seconds:.2f} s "
                f"({result.stats.candidates_evaluated} candidates)")
     rows = []
     if result.best is not None:
         rows.append((result.best.plan.strategy, result.best))
     rows += [(s.name, s.result) for s in result.strategies]
-    click.echo(f"  {'strategy':<11} {'placement':<28} {'GPUs':<12} {'s/iter':>9} "
-               f"{'tokens/s':>10}")
+    width = max([12] + [len(gpus_label(e, job)) + 1 for _, e in rows if e is not None])
+    dollars = any(e is not None and e.dollars_per_iteration is not None for _, e in rows)
+    click.echo(f"  {'strategy':<11} {'placement':<28} {'GPUs':<{width}} {'s/iter':>9} "
+               f"{'tokens/s':>10}" + (f" {'$/iter':>9} {'tokens/$':>11}" if dollars else ""))
     for name, evaluated in rows:
         if evaluated is None:
             outcome = next(s for s in result.strategies if s.name == name)
-            click.echo(f"  {name:<11} {outcome.placement:<28} {'-':<12} {'-':>9} {'-':>10}  "
-                       f"({outcome.reason})")
+            click.echo(f"  {name:<11} {outcome.placement:<28} {'-':<{width}} {'-':>9} "
+                       f"{'-':>10}  ({outcome.reason})")
             continue
-        gpus = "+".join(str(s.gpus) for s in evaluated.plan.sets)
-        click.echo(f"  {name:<11} {evaluated.plan.placement:<28} {gpus:<12} "
+        gpus = gpus_label(evaluated, job)
+        cost = ""
+        if dollars and evaluated.dollars_per_iteration is not None:
+            cost = (f" {evaluated.dollars_per_iteration:>9,.2f} "
+                    f"{evaluated.tokens_per_dollar or 0:>11,.0f}")
+        click.echo(f"  {name:<11} {evaluated.plan.placement:<28} {gpus:<{width}} "
                    f"{evaluated.iteration_seconds:>9.2f} "
-                   f"{evaluated.throughput_tokens_per_s:>10,.0f}")
+                   f"{evaluated.throughput_tokens_per_s:>10,.0f}{cost}")
     if result.best is not None:
-        click.echo(f"best plan: {result.best.plan.describe()}")
+        click.echo(f"best plan: {result.best.plan.describe(job)}")
     click.echo(f"report: {files.report_html} (also report.md, plan.json, ranking.csv, "
                "strategies.csv, PNG figures)")
 
@@ -638,12 +674,13 @@ def _print_plan(result: Any, files: Any) -> None:
 @_search_flags
 @click.option("--json", "as_json", is_flag=True, help="One JSON array on stdout.")
 def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
-            micro_batches: str, max_num_seqs: str, memory_utilization: str,
-            as_json: bool) -> None:
-    """The same job at several cluster sizes: throughput per strategy and the winner."""
+            micro_batches: str, max_num_seqs: str, memory_utilization: str, objective: str,
+            pay_for: str, deadline: float | None, as_json: bool) -> None:
+    """The same job at several cluster sizes: throughput per strategy and the winner (and,
+    with a deadline, the cheapest size whose best plan meets it)."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
-    from reports.render import plan_json, write_compare_report
+    from reports.render import deadline_verdict, gpus_label, plan_json, write_compare_report
 
     try:
         sizes = [int(x) for x in gpu_list.split(",") if x.strip()]
@@ -653,7 +690,13 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
     if not sizes:
         raise SpecError("give at least one cluster size", key="--gpus")
     base = _load_job(config)
-    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization)
+    options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization,
+                              objective, pay_for, deadline, deadline_without_objective=True)
+    if deadline is not None:
+        from planner.objective import check_prices
+
+        with _about(config):
+            check_prices(base)
     results = []
     for gpus in sizes:
         job = _resized(base, gpus, config)
@@ -661,7 +704,7 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
         with _about(config):
             results.append(plan_job(job, options, progress=progress))
         progress.close()
-    files = write_compare_report(results, out)
+    files = write_compare_report(results, out, deadline)
     if as_json:
         _emit_json([plan_json(r) for r in results])
         return
@@ -673,10 +716,14 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
         if r.best is None:
             click.echo(f"{r.job.cluster.total_gpus:>6} does not fit")
             continue
-        gpus_per_set = "+".join(str(s.gpus) for s in r.best.plan.sets)
+        gpus_per_set = gpus_label(r.best, r.job)
         click.echo(f"{r.job.cluster.total_gpus:>6} {r.best.plan.placement:<28} "
                    f"{gpus_per_set:<14} {r.best.iteration_seconds:>9.2f} "
-                   f"{r.best.throughput_tokens_per_s:>10,.0f}   {strategies}")
+                   f"{r.best.throughput_tokens_per_s:>10,.0f}   {strategies}"
+                   + (f"   ${r.best.dollars_per_iteration:,.2f}/iter"
+                      if r.best.dollars_per_iteration is not None else ""))
+    if deadline is not None:
+        click.echo(deadline_verdict(results, deadline))
     click.echo(f"report: {files}")
 
 

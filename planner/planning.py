@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from planner.objective import Ranking, plan_dollars_per_second, priced
 from planner.search import Candidate, Placement, Search, SearchOptions, SearchStats
 from planner.space import set_sizes
 from simulator.costs.memory import GIB, MemoryBreakdown
@@ -46,10 +47,18 @@ class Evaluated:
     plan: Plan
     estimate: PlanEstimate
     simulation: SimulationResult
+    dollars_per_iteration: float | None = None
+    """What one iteration costs on the cluster's prices (None when it has none)."""
 
     @property
     def iteration_seconds(self) -> float:
         return self.simulation.iteration_seconds
+
+    @property
+    def tokens_per_dollar(self) -> float | None:
+        if not self.dollars_per_iteration:
+            return None
+        return self.estimate.tokens_per_iteration / self.dollars_per_iteration
 
     @property
     def throughput_tokens_per_s(self) -> float:
@@ -80,8 +89,9 @@ class PlanningResult:
 
 
 def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iterations: int = 1,
-             plan: Plan | None = None) -> Evaluated:
-    """Turn a search candidate (or a given ``plan``) into a plan with its event simulation."""
+             plan: Plan | None = None, ranking: Ranking | None = None) -> Evaluated:
+    """Turn a search candidate (or a given ``plan``) into a plan with its event simulation
+    and, on a priced cluster, its dollars per iteration (paying as ``ranking`` says)."""
     if plan is None:
         assert candidate is not None
         plan = candidate.to_plan(job, strategy=strategy)
@@ -90,12 +100,23 @@ def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iteration
     plan.validate(job)
     estimate = estimate_plan(job, plan)
     simulation = simulate_des(job, plan, estimate, iterations=iterations)
-    plan = replace(plan, predicted={
+    predicted = {
         "iteration_seconds": simulation.iteration_seconds,
         "throughput_tokens_per_s": simulation.throughput_tokens_per_s,
         "peak_memory_bytes_per_gpu": simulation.peak_memory_bytes_per_gpu,
-    }, job=job.to_value())
-    return Evaluated(candidate=candidate, plan=plan, estimate=estimate, simulation=simulation)
+    }
+    dollars = None
+    if priced(job):
+        pay_for = (ranking or Ranking()).pay_for
+        rate = plan_dollars_per_second(job, [(s.node_group, s.gpus) for s in plan.sets], pay_for)
+        dollars = simulation.iteration_seconds * rate
+        predicted["dollars_per_iteration"] = dollars
+        predicted["paying_for"] = pay_for
+        if dollars > 0:
+            predicted["tokens_per_dollar"] = estimate.tokens_per_iteration / dollars
+    plan = replace(plan, predicted=predicted, job=job.to_value())
+    return Evaluated(candidate=candidate, plan=plan, estimate=estimate, simulation=simulation,
+                     dollars_per_iteration=dollars)
 
 
 def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
@@ -105,14 +126,17 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
     evaluate), the standard strategies, the finalists simulated, and why not if none fits."""
     options = options or SearchOptions()
     search = Search(job, options, progress)
+    objective = options.ranking
     if given is not None:
-        ranking: tuple[Evaluated, ...] = (evaluate(job, None, "given", plan=given),)
+        ranking: tuple[Evaluated, ...] = (evaluate(job, None, "given", plan=given,
+                                                   ranking=objective),)
         if not ranking[0].simulation.feasible:
             ranking = ()
     else:
         result = search.run(placements_to_try=(pinned,) if pinned else None)
         strategy_name = "pinned" if pinned else "searched"
-        ranking = tuple(evaluate(job, c, strategy_name) for c in result.ranking)
+        ranking = tuple(evaluate(job, c, strategy_name, ranking=objective)
+                        for c in result.ranking)
     strategies = []
     for name in STRATEGIES:
         placement = standard_placement(job, name)
@@ -128,21 +152,49 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
             continue
         found = search.run(placements_to_try=(placement,), top_k=1)
         if found.best is None:
-            strategies.append(StrategyOutcome(
-                name=name, placement=label, result=None,
-                reason=f"does not fit on {job.cluster.total_gpus} GPUs in any allocation"))
+            why = f"does not fit on {job.cluster.total_gpus} GPUs in any allocation"
+            if objective.objective == "cost-at-deadline":
+                why = (f"no allocation fits and meets the deadline of "
+                       f"{objective.deadline_seconds_per_iteration:g} s per iteration")
+            strategies.append(StrategyOutcome(name=name, placement=label, result=None,
+                                              reason=why))
         else:
-            strategies.append(StrategyOutcome(name=name, placement=label,
-                                              result=evaluate(job, found.best, name)))
+            strategies.append(StrategyOutcome(
+                name=name, placement=label,
+                result=evaluate(job, found.best, name, ranking=objective)))
     best = ranking[0] if ranking else None
     if best is None and given is not None:
         estimate = estimate_plan(job, given)
         reason = "the given plan does not fit: " + "; ".join(estimate.reasons)
+    elif best is None and objective.objective == "cost-at-deadline":
+        reason = missed_deadline(job, options)
     else:
         reason = "" if best else explain_infeasible(job, search)
     return PlanningResult(job=job, best=best, ranking=ranking, strategies=tuple(strategies),
                           stats=search.stats, search_seconds=search.stats.seconds,
                           infeasible_reason=reason)
+
+
+def cheapest_meeting_deadline(results: list[PlanningResult],
+                              deadline_seconds: float) -> PlanningResult | None:
+    """Among planning results (one per cluster size), the one whose best plan meets the
+    deadline at the fewest dollars per iteration (ties: fewer GPUs)."""
+    meeting = [r for r in results if r.best is not None
+               and r.best.dollars_per_iteration is not None
+               and r.best.iteration_seconds <= deadline_seconds * (1 + 1e-12)]
+    return min(meeting, key=lambda r: (r.best.dollars_per_iteration,  # type: ignore[union-attr]
+                                       r.job.cluster.total_gpus), default=None)
+
+
+def missed_deadline(job: JobSpec, options: SearchOptions) -> str:
+    """Why cost-at-deadline found nothing: the fastest plan's time, or that nothing fits."""
+    fastest = Search(job, replace(options, ranking=Ranking(), top_k=1)).run().best
+    deadline = options.ranking.deadline_seconds_per_iteration
+    if fastest is None:
+        return explain_infeasible(job)
+    return (f"no plan meets the deadline of {deadline:g} s per iteration: the fastest plan "
+            f"({fastest.placement_label} on {'+'.join(map(str, fastest.sizes))} GPUs) takes "
+            f"{fastest.iteration_seconds:.2f} s")
 
 
 def minimum_state(job: JobSpec, role: str, gpus: int) -> MemoryBreakdown | None:

@@ -28,6 +28,15 @@ from planner.frontier import (
     set_frontier,
     set_groups,
 )
+from planner.objective import (
+    SECONDS_PER_HOUR,
+    Ranking,
+    check_prices,
+    cluster_dollars_per_second,
+    plan_dollars_per_second,
+    pool_price_per_gpu_hour,
+    priced,
+)
 from planner.space import SpaceOptions, pack, placements, role_configs, set_sizes
 from profiles.datafile import SpecError
 from simulator.costs.generation import decode, prefill_seconds, running_cap
@@ -93,6 +102,8 @@ class SearchOptions:
     """Bound-based pruning of allocations and Pareto pruning of configs."""
     cache: bool = True
     """Reuse per-(set, GPUs) frontiers and per-(role, GPUs) config evaluations."""
+    ranking: Ranking = field(default_factory=Ranking)
+    """What plans are ranked by: iteration time (default) or dollars per iteration."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +118,15 @@ class Candidate:
     iteration_seconds: float
     node_groups: tuple[int, ...] = ()
     """Each set's node group (index in the job's ``cluster.node_groups``); empty: all 0."""
+    dollars_per_iteration: float | None = None
+    """What one iteration costs (None when the cluster has no prices)."""
+    score: float | None = None
+    """What the search minimised: dollars per iteration when ranking by cost, else None
+    (iteration seconds)."""
+
+    @property
+    def objective_value(self) -> float:
+        return self.iteration_seconds if self.score is None else self.score
 
     def set_node_groups(self) -> tuple[int, ...]:
         return self.node_groups or (0,) * len(self.placement)
@@ -133,7 +153,8 @@ class Candidate:
         """A total order: iteration time, then busy time, resident and transient memory (less
         is better), then placement, GPUs per set and configs (deterministic ties)."""
         roles = tuple(r for group in self.placement for r in group)
-        return (rounded(self.iteration_seconds), rounded(self.busy_seconds),
+        return (rounded(self.objective_value), rounded(self.iteration_seconds),
+                rounded(self.busy_seconds),
                 rounded(sum(p.resident_bytes for p in self.points)),
                 rounded(sum(p.transient_bytes for p in self.points)),
                 self.placement_label, self.sizes, self.set_node_groups(),
@@ -286,6 +307,31 @@ class Search:
         self._groups: dict[tuple[str, ...], tuple[Group, ...]] = {}
         self._fastest: dict[tuple, float] = {}
         self._top_k = self.options.top_k
+        self.ranking = self.options.ranking
+        if self.ranking.by_cost:
+            check_prices(job)
+        self.priced = priced(job)
+        self.pool_price = tuple(pool_price_per_gpu_hour(job.cluster, p) or 0.0
+                                for p in self.pools)
+        self.cluster_rate = cluster_dollars_per_second(job.cluster) if self.priced else 0.0
+
+    # ----- the objective -----
+
+    def dollars_per_second(self, allocation: tuple[tuple[int, int], ...]) -> float:
+        """Dollars per second of an allocation ((pool, GPUs) per set) for the ranking's
+        ``pay_for``."""
+        if self.ranking.pay_for == "cluster":
+            return self.cluster_rate
+        return sum(size * self.pool_price[p] for p, size in allocation) / SECONDS_PER_HOUR
+
+    def score_factor(self, allocation: tuple[tuple[int, int], ...]) -> float:
+        """Objective value per iteration second: 1 when ranking by time, the allocation's
+        dollars per second when ranking by cost."""
+        return self.dollars_per_second(allocation) if self.ranking.by_cost else 1.0
+
+    def too_slow(self, seconds: float) -> bool:
+        """Whether even ``seconds`` (a lower bound) misses the deadline."""
+        return not self.ranking.meets_deadline(seconds)
 
     # ----- per set -----
 
@@ -385,6 +431,17 @@ class Search:
                                 if self.quick_ideal(roles, size, p) is not None])
         if any(not o for o in options_for):
             return
+        # The least a set can cost per second (pay-for-used cost ranking bounds).
+        cheapest = [min(size * self.pool_price[p] for p, size in options) / SECONDS_PER_HOUR
+                    for options in options_for]
+
+        def factor_at_least(chosen: list[tuple[int, int]]) -> float:
+            if not self.ranking.by_cost:
+                return 1.0
+            if self.ranking.pay_for == "cluster":
+                return self.cluster_rate
+            return self.dollars_per_second(tuple(chosen)) + sum(cheapest[len(chosen):])
+
         # Best possible durations of a set given at most g GPUs of a pool (unassigned sets).
         best_within: list[list[dict[int, tuple[float, ...]]]] = []
         for roles, options in zip(placement, options_for, strict=True):
@@ -443,9 +500,12 @@ class Search:
                 trial = [*chosen, (p, size)]
                 if not fits(trial, p):
                     continue
-                if self.options.prune and bound_partial(trial) > threshold() + EPSILON:
-                    self.stats.partial_allocations_pruned += 1
-                    continue
+                if self.options.prune:
+                    bound = bound_partial(trial)
+                    if self.too_slow(bound) or \
+                            bound * factor_at_least(trial) > threshold() + EPSILON:
+                        self.stats.partial_allocations_pruned += 1
+                        continue
                 visit(trial)
 
         visit([])
@@ -465,10 +525,13 @@ class Search:
             return
         ideals = [tuple(min(col) for col in zip(*(p.durations for p in f), strict=True))
                   for f in frontiers]
-        if self.options.prune and makespan(steps, layout.durations(ideals)) > \
-                threshold() + EPSILON:
-            self.stats.allocations_pruned += 1
-            return
+        factor = self.score_factor(allocation)
+        rate = self.dollars_per_second(allocation) if self.priced else None
+        if self.options.prune:
+            bound = makespan(steps, layout.durations(ideals))
+            if self.too_slow(bound) or bound * factor > threshold() + EPSILON:
+                self.stats.allocations_pruned += 1
+                return
         first_gpus = self.first_gpus(allocation)
         node_groups = tuple(self.pools[p].index for p in set_pools)
         best: list[Candidate] = []
@@ -477,16 +540,20 @@ class Search:
         def bound_limit() -> float:
             limit = threshold()
             if best:
-                limit = min(limit, best[0].iteration_seconds)
+                limit = min(limit, best[0].objective_value)
             return limit
 
         def visit(i: int) -> None:
             if i == len(frontiers):
                 seconds = makespan(steps, layout.durations([p.durations for p in chosen]))
                 self.stats.candidates_evaluated += 1
-                candidate = Candidate(placement=placement, sizes=sizes, first_gpus=first_gpus,
-                                      points=tuple(chosen), iteration_seconds=seconds,
-                                      node_groups=node_groups)
+                if self.too_slow(seconds):
+                    return
+                candidate = Candidate(
+                    placement=placement, sizes=sizes, first_gpus=first_gpus,
+                    points=tuple(chosen), iteration_seconds=seconds, node_groups=node_groups,
+                    dollars_per_iteration=None if rate is None else seconds * rate,
+                    score=seconds * factor if self.ranking.by_cost else None)
                 if not best or candidate.sort_key() < best[0].sort_key():
                     best[:] = [candidate]
                 return
@@ -494,7 +561,8 @@ class Search:
                 chosen.append(point)
                 if self.options.prune and i + 1 < len(frontiers):
                     vectors = [p.durations for p in chosen] + ideals[i + 1:]
-                    if makespan(steps, layout.durations(vectors)) > bound_limit() + EPSILON:
+                    bound = makespan(steps, layout.durations(vectors))
+                    if self.too_slow(bound) or bound * factor > bound_limit() + EPSILON:
                         chosen.pop()
                         continue
                 visit(i + 1)
@@ -576,7 +644,7 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
 
 def _push(top: list, candidate: Candidate, k: int) -> None:
     """Keep the k best candidates in a max-heap keyed by sort order."""
-    entry = (-candidate.iteration_seconds, _Reverse(candidate.sort_key()), candidate)
+    entry = (-candidate.objective_value, _Reverse(candidate.sort_key()), candidate)
     if len(top) < k:
         heapq.heappush(top, entry)
     elif candidate.sort_key() < top[0][2].sort_key():
@@ -602,13 +670,15 @@ def placement_label(placement: Placement) -> str:
 
 
 def brute_force(job: JobSpec, space: SpaceOptions | None = None,
-                placements_to_try: tuple[Placement, ...] | None = None) -> Candidate | None:
+                placements_to_try: tuple[Placement, ...] | None = None,
+                ranking: Ranking | None = None) -> Candidate | None:
     """Reference for tests: every placement x every allocation x every combination of configs,
     each costed from scratch with ``estimate_plan`` and the node-level schedule. No frontiers,
     no groups, no bounds, no search caches. Exponential: small cases only."""
     import itertools
 
     space = space or SpaceOptions()
+    ranking = ranking or Ranking()
     pools = job.cluster.pools()
     best: Candidate | None = None
     for placement in allowed_placements(job, placements_to_try):
@@ -624,7 +694,7 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
                                                          strict=True)
                             for role in group}
                 best = _best_combination(job, placement, allocation, first, on, pools,
-                                         per_role, space, best)
+                                         per_role, space, ranking, best)
     return best
 
 
@@ -645,7 +715,7 @@ def _packed_in_pools(allocation: tuple[int, ...], on: tuple[int, ...],
 
 def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int, ...],
                       first: list[int], on: tuple[int, ...], pools: tuple[Pool, ...],
-                      per_role: dict, space: SpaceOptions,
+                      per_role: dict, space: SpaceOptions, ranking: Ranking,
                       best: Candidate | None) -> Candidate | None:
     """``best`` or a better candidate among every config combination of one allocation."""
     import itertools
@@ -655,6 +725,8 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
 
     roles = list(per_role)
     node_groups = tuple(pools[p].index for p in on)
+    rate = plan_dollars_per_second(job, tuple(zip(node_groups, allocation, strict=True)),
+                                   ranking.pay_for) if priced(job) else None
     for combo in itertools.product(*(per_role[r] for r in roles)):
         chosen = dict(zip(roles, combo, strict=True))
         plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
@@ -677,9 +749,14 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
             resident_bytes=estimate.memory[i].resident.total,
             transient_bytes=estimate.memory[i].peak.total - estimate.memory[i].resident.total)
             for i, g in enumerate(placement))
+        seconds = iteration_seconds(job, estimate)
+        if not ranking.meets_deadline(seconds):
+            continue
+        dollars = None if rate is None else seconds * rate
         candidate = Candidate(placement=placement, sizes=allocation, first_gpus=tuple(first),
-                              points=points, iteration_seconds=iteration_seconds(job, estimate),
-                              node_groups=node_groups)
+                              points=points, iteration_seconds=seconds, node_groups=node_groups,
+                              dollars_per_iteration=dollars,
+                              score=dollars if ranking.by_cost else None)
         if best is None or candidate.sort_key() < best.sort_key():
             best = candidate
     return best

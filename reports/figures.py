@@ -105,7 +105,9 @@ def timeline_gantt(events: Sequence[TimelineEvent], path: Path, title: str) -> P
 def memory_by_set(memory: Sequence[SetMemory], path: Path, title: str) -> Path:
     """Per-GPU memory of each set at its peak, stacked by kind, against what is usable."""
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
-    labels = [f"{m.label}\n({m.gpus} GPUs)" for m in memory]
+    mixed = len({m.device for m in memory}) > 1
+    labels = [f"{m.label}\n({m.gpus} x {m.device})" if mixed else f"{m.label}\n({m.gpus} GPUs)"
+              for m in memory]
     bottoms = [0.0] * len(memory)
     for kind in MEMORY_KINDS:
         values = [getattr(m.peak, kind) / GIB for m in memory]
@@ -113,10 +115,15 @@ def memory_by_set(memory: Sequence[SetMemory], path: Path, title: str) -> Path:
                color=MEMORY_COLOURS[kind])
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     if memory:
-        usable = memory[0].available_bytes / GIB
-        ax.axhline(usable, color="black", linestyle="--", linewidth=1,
-                   label=f"usable ({usable:.0f} GiB)")
-        ax.set_ylim(0, max(usable, max(bottoms)) * 1.1)
+        usables = [m.available_bytes / GIB for m in memory]
+        if len(set(usables)) == 1:
+            ax.axhline(usables[0], color="black", linestyle="--", linewidth=1,
+                       label=f"usable ({usables[0]:.0f} GiB)")
+        else:  # a mixed cluster: each set against its own device's memory
+            ax.hlines(usables, [i - 0.45 for i in range(len(memory))],
+                      [i + 0.45 for i in range(len(memory))], color="black", linestyle="--",
+                      linewidth=1, label="usable on the set's device")
+        ax.set_ylim(0, max(*usables, *bottoms) * 1.1)
     ax.set_xticks(range(len(memory)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("memory per GPU (GiB)")

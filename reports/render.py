@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from planner.planning import Evaluated, PlanningResult
+from planner.objective import group_price_per_gpu_hour, priced
+from planner.planning import Evaluated, PlanningResult, cheapest_meeting_deadline
 from profiles.datafile import write_text_atomic
 from reports import figures
 from simulator.costs.memory import GIB
-from simulator.specs.job import RULE
+from simulator.specs.job import RULE, JobSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +29,12 @@ class ReportFiles:
     figures: tuple[Path, ...]
 
 
-def _gpus_label(evaluated: Evaluated) -> str:
-    return "+".join(str(s.gpus) for s in evaluated.plan.sets)
+def gpus_label(evaluated: Evaluated, job: JobSpec | None = None) -> str:
+    """'16+8', or with each set's device on a mixed cluster: '16 h20+8 h100-80gb'."""
+    if job is None or job.cluster.is_homogeneous:
+        return "+".join(str(s.gpus) for s in evaluated.plan.sets)
+    return "+".join(f"{s.gpus} {job.cluster.pool_of(s.node_group).group.profile().name}"
+                    for s in evaluated.plan.sets)
 
 
 def _configs(evaluated: Evaluated) -> str:
@@ -46,14 +51,21 @@ def _configs(evaluated: Evaluated) -> str:
 def ranking_table(result: PlanningResult) -> pd.DataFrame:
     rows = []
     for rank, e in enumerate(result.ranking, start=1):
-        rows.append({"rank": rank, "placement": e.plan.placement, "gpus_per_set": _gpus_label(e),
+        rows.append({"rank": rank, "placement": e.plan.placement,
+                     "gpus_per_set": gpus_label(e, result.job),
                      "parallel_configs": _configs(e),
                      "iteration_seconds": e.iteration_seconds,
                      "throughput_tokens_per_s": e.throughput_tokens_per_s,
+                     "dollars_per_iteration": e.dollars_per_iteration,
+                     "tokens_per_dollar": e.tokens_per_dollar,
                      "peak_memory_gib_per_gpu": e.simulation.peak_memory_bytes_per_gpu / GIB})
-    return pd.DataFrame(rows, columns=["rank", "placement", "gpus_per_set", "parallel_configs",
-                                       "iteration_seconds", "throughput_tokens_per_s",
-                                       "peak_memory_gib_per_gpu"])
+    columns = ["rank", "placement", "gpus_per_set", "parallel_configs", "iteration_seconds",
+               "throughput_tokens_per_s", "dollars_per_iteration", "tokens_per_dollar",
+               "peak_memory_gib_per_gpu"]
+    if not priced(result.job):
+        columns.remove("dollars_per_iteration")
+        columns.remove("tokens_per_dollar")
+    return pd.DataFrame(rows, columns=columns)
 
 
 def strategies_table(result: PlanningResult) -> pd.DataFrame:
@@ -66,9 +78,12 @@ def strategies_table(result: PlanningResult) -> pd.DataFrame:
     for name, evaluated, placement, reason in entries:
         rows.append({
             "strategy": name, "placement": placement,
-            "gpus_per_set": _gpus_label(evaluated) if evaluated else "",
+            "gpus_per_set": gpus_label(evaluated, result.job) if evaluated else "",
             "iteration_seconds": evaluated.iteration_seconds if evaluated else None,
             "throughput_tokens_per_s": evaluated.throughput_tokens_per_s if evaluated else None,
+            **({"dollars_per_iteration": evaluated.dollars_per_iteration if evaluated else None,
+                "tokens_per_dollar": evaluated.tokens_per_dollar if evaluated else None}
+               if priced(result.job) else {}),
             "peak_memory_bytes_per_gpu": (evaluated.simulation.peak_memory_bytes_per_gpu
                                           if evaluated else None),
             "feasible": evaluated is not None,
@@ -99,18 +114,38 @@ def _job_summary(result: PlanningResult) -> list[tuple[str, str]]:
     models = ", ".join(f"{role}={'rule' if m == RULE else m.name}"
                        for role, m in job.models.items())
     cluster = job.cluster
-    profile = cluster.profile()
+    profiles = ", ".join(f"{p.name} ({p.provenance.source})"
+                         for p in _distinct_profiles(job))
     return [
         ("algorithm", job.algorithm),
         ("models", models),
-        ("cluster", f"{cluster.nodes} nodes x {cluster.gpus_per_node} {profile.name} "
-                    f"= {cluster.total_gpus} GPUs"),
+        ("cluster", cluster.describe()),
         ("workload", f"{work.prompts_per_iteration} prompts x {work.samples_per_prompt} "
                      f"samples, prompt {work.prompt_length} tokens, response "
                      f"{work.response_length.to_value()} tokens, {work.ppo_epochs} epoch(s) "
                      f"of {work.mini_batches_per_epoch} mini-batches, {work.dtype}"),
-        ("device profile", f"{profile.name} ({profile.provenance.source})"),
+        ("device profile" if cluster.is_homogeneous else "device profiles", profiles),
     ]
+
+
+def _cost_line(result: PlanningResult) -> str:
+    """What the best plan costs, and what it was ranked by."""
+    best = result.best
+    assert best is not None and best.dollars_per_iteration is not None
+    pay_for = (best.plan.predicted or {}).get("paying_for", "cluster")
+    paying = ("every GPU of the cluster" if pay_for == "cluster"
+              else "only the GPUs the plan uses")
+    cluster = result.job.cluster
+    prices = "; ".join(dict.fromkeys(
+        f"{g.profile().name} ${group_price_per_gpu_hour(cluster, i):.2f}/GPU-hour"
+        for i, g in enumerate(cluster.node_groups)))
+    return (f"Cost: **${best.dollars_per_iteration:,.2f} per iteration**, "
+            f"{best.tokens_per_dollar:,.0f} tokens per dollar, paying for {paying} ({prices}).")
+
+
+def _distinct_profiles(job: JobSpec) -> list:
+    """The cluster's device profiles, each once (by name), in the job's order."""
+    return list({p.name: p for p in reversed(job.cluster.profiles())}.values())[::-1]
 
 
 def _accuracy_note(profile) -> str:
@@ -190,11 +225,13 @@ def _why(result: PlanningResult) -> list[str]:
     return lines
 
 
-def _sets_table(best: Evaluated, gpus_per_node: int) -> pd.DataFrame:
+def _sets_table(best: Evaluated, job: JobSpec) -> pd.DataFrame:
     rows = []
     for s, memory in zip(best.plan.sets, best.estimate.memory, strict=True):
-        first, last = s.node_range(gpus_per_node)
+        pool = job.cluster.pool_of(s.node_group)
+        first, last = s.node_range(pool.group.gpus_per_node)
         rows.append({"set": s.label(), "gpus": s.gpus,
+                     "node_group": s.node_group, "device": pool.group.profile().name,
                      "gpu_range": f"{s.first_gpu}-{s.first_gpu + s.gpus - 1}",
                      "nodes": f"{first}" if first == last else f"{first}-{last}",
                      "peak_gib_per_gpu": round(memory.peak.total / GIB, 1),
@@ -272,7 +309,7 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         f"{stats.candidates_evaluated} complete candidates evaluated; "
         f"{stats.configs_evaluated} model configs costed; cost-model cache hit rate "
         f"{cache['hit_rate']:.0%}"]
-    accuracy = _accuracy_note(job.cluster.profile())
+    accuracy = " ".join(_accuracy_note(p) for p in _distinct_profiles(job))
 
     md = [f"# RLHF placement plan: {title}", ""]
     md += [f"- **{k}**: {v}" for k, v in summary]
@@ -280,11 +317,12 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     if result.best is not None:
         best = result.best
         md += ["## Best plan", "",
-               f"**{best.plan.placement}** on {_gpus_label(best)} GPUs: "
+               f"**{best.plan.placement}** on {gpus_label(best, job)} GPUs: "
                f"**{best.iteration_seconds:.1f} s** per iteration, "
                f"**{best.throughput_tokens_per_s:,.0f} tokens/s** "
                f"(prompt + response tokens per iteration / iteration time).", "",
-               _markdown_table(_sets_table(best, job.cluster.gpus_per_node)), "",
+               *([_cost_line(result), ""] if best.dollars_per_iteration else []),
+               _markdown_table(_sets_table(best, job)), "",
                _markdown_table(_roles_table(best)), "",
                "![timeline](timeline.png)", "", "![memory](memory.png)", ""]
     else:
@@ -312,10 +350,12 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     if result.best is not None:
         best = result.best
         parts += ["<h2>Best plan</h2>",
-                  f"<p><b>{html.escape(best.plan.placement)}</b> on {_gpus_label(best)} GPUs: "
+                  f"<p><b>{html.escape(best.plan.placement)}</b> on {gpus_label(best, job)} GPUs: "
                   f"<b>{best.iteration_seconds:.1f} s</b> per iteration, "
                   f"<b>{best.throughput_tokens_per_s:,.0f} tokens/s</b>.</p>",
-                  frame_html(_sets_table(best, job.cluster.gpus_per_node)),
+                  *([f"<p>{html.escape(_cost_line(result).replace('**', ''))}</p>"]
+                    if best.dollars_per_iteration else []),
+                  frame_html(_sets_table(best, job)),
                   frame_html(_roles_table(best)), image(out / "timeline.png"),
                   image(out / "memory.png")]
     else:
@@ -346,8 +386,11 @@ def plan_json(result: PlanningResult) -> dict:
         "best": None if best is None else {
             "placement": best.plan.placement,
             "gpus_per_set": [s.gpus for s in best.plan.sets],
+            "node_groups": [s.node_group for s in best.plan.sets],
             "iteration_seconds": best.iteration_seconds,
             "throughput_tokens_per_s": best.throughput_tokens_per_s,
+            "dollars_per_iteration": best.dollars_per_iteration,
+            "tokens_per_dollar": best.tokens_per_dollar,
             "peak_memory_bytes_per_gpu": best.simulation.peak_memory_bytes_per_gpu,
             "plan": best.plan.to_value(),
         },
@@ -356,11 +399,15 @@ def plan_json(result: PlanningResult) -> dict:
              "gpus_per_set": [x.gpus for x in s.result.plan.sets] if s.result else [],
              "iteration_seconds": s.result.iteration_seconds if s.result else None,
              "throughput_tokens_per_s": s.result.throughput_tokens_per_s if s.result else None,
+             "dollars_per_iteration": s.result.dollars_per_iteration if s.result else None,
              "feasible": s.feasible, "reason": s.reason}
             for s in result.strategies],
         "ranking": [{"placement": e.plan.placement, "gpus_per_set": [s.gpus for s in e.plan.sets],
+                     "node_groups": [s.node_group for s in e.plan.sets],
                      "iteration_seconds": e.iteration_seconds,
-                     "throughput_tokens_per_s": e.throughput_tokens_per_s}
+                     "throughput_tokens_per_s": e.throughput_tokens_per_s,
+                     "dollars_per_iteration": e.dollars_per_iteration,
+                     "tokens_per_dollar": e.tokens_per_dollar}
                     for e in result.ranking],
         "search_seconds": result.search_seconds,
         "candidates_evaluated": result.stats.candidates_evaluated,
@@ -370,14 +417,32 @@ def plan_json(result: PlanningResult) -> dict:
     }
 
 
+def deadline_verdict(results: list[PlanningResult], deadline_seconds: float) -> str:
+    """'The cheapest size that meets 120 s per iteration: 32 GPUs, ...' (or that none does)."""
+    cheapest = cheapest_meeting_deadline(results, deadline_seconds)
+    if cheapest is None:
+        return (f"No size compared meets the deadline of {deadline_seconds:g} s per "
+                "iteration.")
+    best = cheapest.best
+    assert best is not None and best.dollars_per_iteration is not None
+    return (f"The cheapest size that meets {deadline_seconds:g} s per iteration: "
+            f"{cheapest.job.cluster.total_gpus} GPUs ({best.plan.placement} on "
+            f"{gpus_label(best, cheapest.job)}), {best.iteration_seconds:.1f} s and "
+            f"${best.dollars_per_iteration:,.2f} per iteration.")
+
+
 def compare_table(results: list[PlanningResult]) -> pd.DataFrame:
     rows = []
     for r in results:
         row = {"gpus": r.job.cluster.total_gpus,
                "winner_placement": r.best.plan.placement if r.best else "",
-               "winner_gpus_per_set": _gpus_label(r.best) if r.best else "",
+               "winner_gpus_per_set": gpus_label(r.best, r.job) if r.best else "",
                "searched_tokens_per_s": r.best.throughput_tokens_per_s if r.best else None,
                "searched_iteration_seconds": r.best.iteration_seconds if r.best else None}
+        if priced(r.job):
+            row["searched_dollars_per_iteration"] = (r.best.dollars_per_iteration if r.best
+                                                     else None)
+            row["searched_tokens_per_dollar"] = r.best.tokens_per_dollar if r.best else None
         for s in r.strategies:
             row[f"{s.name}_tokens_per_s"] = (s.result.throughput_tokens_per_s if s.result
                                              else None)
@@ -385,8 +450,10 @@ def compare_table(results: list[PlanningResult]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def write_compare_report(results: list[PlanningResult], out_dir: str | Path) -> Path:
-    """compare.csv, compare.md and throughput_vs_gpus.png; returns the markdown path."""
+def write_compare_report(results: list[PlanningResult], out_dir: str | Path,
+                         deadline_seconds: float | None = None) -> Path:
+    """compare.csv, compare.md and throughput_vs_gpus.png (and, with a deadline, the cheapest
+    size that meets it); returns the markdown path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = compare_table(results)
@@ -406,5 +473,7 @@ def write_compare_report(results: list[PlanningResult], out_dir: str | Path) -> 
                                f"Throughput per strategy against cluster size - {title}")
     md = [f"# Scaling: {title}", "", "![throughput](throughput_vs_gpus.png)", "",
           _markdown_table(table), ""]
+    if deadline_seconds is not None:
+        md += [deadline_verdict(results, deadline_seconds), ""]
     write_text_atomic(out / "compare.md", "\n".join(md))
     return out / "compare.md"

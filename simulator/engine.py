@@ -74,8 +74,14 @@ class SimulationResult:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _lane(plan: Plan, location: int) -> str:
-    return "controller" if location == CONTROLLER_LOCATION else plan.sets[location].label()
+def _lane(plan: Plan, location: int, job: JobSpec | None = None) -> str:
+    """The timeline lane of a location: the set's roles (and its device on a mixed cluster)."""
+    if location == CONTROLLER_LOCATION:
+        return "controller"
+    s = plan.sets[location]
+    if job is None or job.cluster.is_homogeneous:
+        return s.label()
+    return f"{s.label()} ({job.cluster.pool_of(s.node_group).group.profile().name})"
 
 
 def _gpus(plan: Plan, location: int) -> int:
@@ -113,7 +119,7 @@ def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
 
     def record(iteration: int, location: int, role: str, operation: str, node: str,
                kind: EventKind, start: float, end: float) -> None:
-        lane = "network" if kind == "transfer" else _lane(plan, location)
+        lane = "network" if kind == "transfer" else _lane(plan, location, job)
         events.append(TimelineEvent(iteration=iteration, location=location, lane=lane,
                                     role=role, operation=operation, node=node, kind=kind,
                                     start=start, end=end, gpus=_gpus(plan, location)))
@@ -204,7 +210,7 @@ def simulate_paper(job: JobSpec, plan: Plan, estimate: PlanEstimate) -> Simulati
                 if node.stage != stage or est.location != location:
                     continue
                 events.append(TimelineEvent(
-                    iteration=0, location=location, lane=_lane(plan, location), role=node.role,
+                    iteration=0, location=location, lane=_lane(plan, location, job), role=node.role,
                     operation=node.operation, node=node.name, kind="compute", start=cursor,
                     end=cursor + est.seconds, gpus=_gpus(plan, location)))
                 cursor += est.seconds

@@ -165,7 +165,9 @@ class Plan:
     def total_gpus(self) -> int:
         return sum(s.gpus for s in self.sets)
 
-    def describe(self) -> str:
+    def describe(self, job: JobSpec | None = None) -> str:
+        """'[16 GPUs] actor:... | [8 GPUs] critic:...'; with a mixed cluster's ``job`` each set
+        names its device: '[16 x h20] ...'."""
         parts = []
         for s in self.sets:
             configs = []
@@ -175,7 +177,10 @@ class Plan:
                 if rp.generation is not None:
                     text += f"/{rp.generation.short()}"
                 configs.append(text)
-            parts.append(f"[{s.gpus} GPUs] " + " ".join(configs))
+            where = f"{s.gpus} GPUs"
+            if job is not None and not job.cluster.is_homogeneous:
+                where = f"{s.gpus} x {job.cluster.pool_of(s.node_group).group.profile().name}"
+            parts.append(f"[{where}] " + " ".join(configs))
         return " | ".join(parts)
 
     # ----- validation against a job -----

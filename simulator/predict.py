@@ -72,6 +72,8 @@ class SetMemory:
     """Resident state plus the largest transient need of any of the set's operations."""
     peak_node: str
     available_bytes: float
+    device: str = ""
+    """The device profile of the set's node group."""
 
     @property
     def fits(self) -> bool:
@@ -499,7 +501,8 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
                                   else MemoryBreakdown())
         sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=set_resident[i],
                        peak=peak, peak_node=worst.name if worst else "",
-                       available_bytes=views[i].cluster.profile().usable_memory_bytes)
+                       available_bytes=views[i].cluster.profile().usable_memory_bytes,
+                       device=views[i].cluster.profile().name)
         memory.append(sm)
         if not sm.fits:
             reasons.append(sm.message())

@@ -239,6 +239,22 @@ class ClusterSpec:
         return sum(g.gpus for g in self.node_groups)
 
     @property
+    def device_label(self) -> str:
+        """The device profile's name, or the groups' names joined by '+' on a mixed cluster."""
+        names = list(dict.fromkeys(g.profile().name for g in self.node_groups))
+        return "+".join(names)
+
+    def describe(self) -> str:
+        """'2 nodes x 8 a100-80gb = 16 GPUs', or the groups joined by ' + ' on a mixed cluster."""
+        parts = [f"{g.nodes} node{'s' if g.nodes > 1 else ''} x {g.gpus_per_node} "
+                 f"{g.profile().name}" for g in self.node_groups]
+        return " + ".join(parts) + f" = {self.total_gpus} GPUs"
+
+    def profiles(self) -> tuple[DeviceProfile, ...]:
+        """Each node group's device profile (with its network), in the job's order."""
+        return tuple(g.profile() for g in self.node_groups)
+
+    @property
     def gpus_per_node(self) -> int:
         return self.only_group().gpus_per_node
 
@@ -272,13 +288,29 @@ class ClusterSpec:
         return out
 
     def with_total_gpus(self, gpus: int) -> ClusterSpec:
-        """The same homogeneous cluster resized to ``gpus`` (whole nodes, or one partial node)."""
-        group = self.only_group()
+        """The same cluster resized to ``gpus``: one group to whole nodes (or one partial
+        node); a mixed cluster by scaling every group's nodes alike, so its mix is kept."""
         if gpus <= 0:
             raise SpecError(f"must be a positive integer, got {gpus}", key="gpus")
+        if not self.is_homogeneous:
+            return self._scaled(gpus)
+        group = self.node_groups[0]
         if gpus < group.gpus_per_node:
             return ClusterSpec(node_groups=(replace(group, nodes=1, gpus_per_node=gpus),))
         if gpus % group.gpus_per_node:
             raise SpecError(f"{gpus} GPUs is not a whole number of {group.gpus_per_node}-GPU "
                             "nodes", key="gpus")
         return ClusterSpec(node_groups=(replace(group, nodes=gpus // group.gpus_per_node),))
+
+    def _scaled(self, gpus: int) -> ClusterSpec:
+        total = self.total_gpus
+        groups = []
+        for i, g in enumerate(self.node_groups):
+            nodes = g.nodes * gpus / total
+            if nodes != int(nodes) or nodes < 1:
+                raise SpecError(f"a mixed cluster is resized by scaling every node group alike: "
+                                f"{gpus} GPUs is {gpus / total:g} x this cluster's {total}, which "
+                                f"gives node group {i} {nodes:g} nodes (it needs a whole "
+                                "number, at least 1)", key="gpus")
+            groups.append(replace(g, nodes=int(nodes)))
+        return replace(self, node_groups=tuple(groups))
