@@ -230,8 +230,10 @@ class ClusterSpec:
     def only_group(self) -> NodeGroup:
         """The single node group of a homogeneous cluster (error otherwise)."""
         if not self.is_homogeneous:
-            raise SpecError("clusters with several node groups are not supported by the "
-                            "simulator yet; use one group", key="cluster.node_groups")
+            raise SpecError(f"this needs a cluster of one node group, and it has "
+                            f"{len(self.node_groups)} (plan, compare and simulate handle mixed "
+                            "clusters; execute, profile and calibrate run on one group)",
+                            key="cluster.node_groups")
         return self.node_groups[0]
 
     @property
