@@ -520,7 +520,9 @@ def _resized(job: Any, gpus: int | None, source: str | None) -> Any:
     try:
         return job.with_cluster(job.cluster.with_total_gpus(gpus))
     except SpecError as exc:
-        raise SpecError(exc.problem, key="--gpus") from None
+        # On a mixed cluster the sizes that work depend on the job's groups: name its file.
+        where = None if job.cluster.is_homogeneous else (source or "the default job")
+        raise SpecError(exc.problem, key="--gpus", source=where) from None
 
 
 @contextlib.contextmanager
@@ -807,6 +809,10 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     if steps is None:
         raise SpecError("give --steps N", key="--steps")
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
+    if not job.cluster.is_homogeneous:
+        # The executor maps a plan's GPUs onto one kind of node; mixed clusters are planned.
+        with _about(config or plan_path):
+            job.cluster.only_group()
     try:
         from executor.run import ExecutionOptions
     except ImportError as exc:
