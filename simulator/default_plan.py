@@ -49,14 +49,17 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
 
 
 def colocate_plan(job: JobSpec) -> Plan:
-    """All models on all GPUs; among tp / generation-tp choices (powers of two within a node),
-    the one with the shortest simulated iteration (the first candidate if none fits)."""
+    """All models on all GPUs (on a mixed cluster: on the pool with the most GPUs); among tp /
+    generation-tp choices (powers of two within a node), the one with the shortest simulated
+    iteration (the first candidate if none fits)."""
     from simulator.engine import simulate
 
-    cluster = job.cluster
-    gpus = cluster.total_gpus
+    pool = max(job.cluster.pools(), key=lambda p: (p.gpus, -p.index))
+    gpus = pool.gpus
+    gpus_per_node = pool.group.gpus_per_node
+    view = job.on_pool(pool)
     roles = job.gpu_roles
-    tps = [t for t in _powers_of_two_up_to(min(cluster.gpus_per_node, gpus)) if gpus % t == 0]
+    tps = [t for t in _powers_of_two_up_to(min(gpus_per_node, gpus)) if gpus % t == 0]
     best: tuple[float, Plan] | None = None
     first: Plan | None = None
     rejection: SpecError | None = None
@@ -66,8 +69,9 @@ def colocate_plan(job: JobSpec) -> Plan:
         for gen_tp in [t for t in tps if t <= tp]:
             try:
                 plan = Plan(algorithm=job.algorithm, strategy="colocate",
-                            sets=(ColocatedSet(roles=roles, gpus=gpus, first_gpu=0),),
-                            roles={r: _role_plan(job, r, gpus, tp, gen_tp) for r in roles})
+                            sets=(ColocatedSet(roles=roles, gpus=gpus, first_gpu=0,
+                                               node_group=pool.index),),
+                            roles={r: _role_plan(view, r, gpus, tp, gen_tp) for r in roles})
                 plan.validate(job)
                 result = simulate(job, plan)
             except SpecError as exc:
