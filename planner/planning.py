@@ -209,6 +209,12 @@ def explain_infeasible(job: JobSpec, search: Search | None = None,
                        max_nodes: int = 1024) -> str:
     """'does not fit: ... the smallest cluster that fits is N GPUs; per GPU the models need
     at least ...'."""
+    if not job.cluster.is_homogeneous:
+        # Every set lives in one pool: the largest pool is where the models fit best.
+        pool = max(job.cluster.pools(), key=lambda p: (p.gpus, -p.index))
+        return (f"no allocation of the mixed cluster ({job.cluster.describe()}) fits; on its "
+                f"largest group alone: " + explain_infeasible(job.on_pool(pool), None,
+                                                              max_nodes))
     cluster = job.cluster
     gpus = cluster.total_gpus
     usable = cluster.profile().usable_memory_bytes

@@ -238,7 +238,9 @@ def test_random_jobs_get_a_plan_that_fits_or_a_clear_error(mapping: dict) -> Non
     assert plan.total_gpus <= job.cluster.total_gpus
     simulated = simulate(job, plan)
     assert simulated.feasible, simulated.reasons
-    usable = load_profile(job.cluster.only_group().device).usable_memory_bytes
-    assert simulated.peak_memory_bytes_per_gpu <= usable * (1 + 1e-9)
+    for s, memory in zip(plan.sets, result.best.estimate.memory, strict=True):
+        device = job.cluster.pool_of(s.node_group).group.device
+        usable = load_profile(device).usable_memory_bytes
+        assert memory.peak.total <= usable * (1 + 1e-9)
     assert simulated.iteration_seconds == pytest.approx(result.best.simulation.iteration_seconds,
                                                         rel=1e-6)
