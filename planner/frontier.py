@@ -46,6 +46,11 @@ from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig
 
 EPSILON = 1e-12
+SWEEP_ROWS = 256
+"""Rows above which ``pareto_mask`` drops what the least-sum row dominates before sorting."""
+MATRIX_LIMIT = 1_000_000
+"""Largest rows x rows x columns for which ``pareto_mask(all_pairs=True)`` compares all
+pairs at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,33 +113,79 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
     dtype = job.workload.dtype
     model = job.model(role)
     out: list[RoleCandidate] = []
+    # The non-generating operations and the resident state depend on the training layout
+    # only: plans that differ in their generation config share them (None: cannot fit).
+    by_layout: dict = {}
+    offloads: dict = {}
+    switches: dict = {}
+    forwards: dict = {}
     for plan in plans:
-        resident, freed = role_state(job, role, plan.parallel)
-        seconds = []
-        transient = 0.0
-        for node in role_nodes:
-            if node.operation == "generate":
-                continue
-            estimate = model_node(job, node, plan, location=0, resident=resident,
-                                  freed_grads=freed)
-            seconds.append((node.name, estimate.seconds))
-            transient = max(transient, estimate.transient.total)
+        if plan.parallel in by_layout:
+            shared = by_layout[plan.parallel]
+        else:
+            shared = by_layout[plan.parallel] = _layout_costs(job, role, plan, role_nodes,
+                                                              usable_bytes, forwards)
+        if shared is None:
+            continue
+        resident, node_seconds, transient = shared
         switch = extra = 0.0
         if plan.generation is not None:
-            switch = transition(model, profile, plan.parallel, plan.generation, dtype=dtype,
-                                gpus_per_node=gpn,
-                                scheme=transition_scheme_of(job, plan)).seconds
             extra = extra_generation_weights(
                 job, generation_weight_bytes(model, plan.generation, dtype), resident.params)
         if resident.total + max(transient, extra) > usable_bytes:
             continue
-        offloaded, offload_seconds = offload_state(job, role, plan.parallel)
-        out.append(RoleCandidate(role=role, plan=plan, node_seconds=tuple(seconds),
+        if plan.generation is not None:
+            # The transition reads the training layout's shape and sharding only, not its
+            # micro-batch or recompute mode.
+            par = plan.parallel
+            scheme = transition_scheme_of(job, plan)
+            key = (par.tp, par.pp, par.dp, par.sharding, plan.generation, scheme)
+            if key not in switches:
+                switches[key] = transition(model, profile, par, plan.generation, dtype=dtype,
+                                           gpus_per_node=gpn, scheme=scheme).seconds
+            switch = switches[key]
+        if plan.parallel not in offloads:
+            offloads[plan.parallel] = offload_state(job, role, plan.parallel)
+        offloaded, offload_seconds = offloads[plan.parallel]
+        out.append(RoleCandidate(role=role, plan=plan, node_seconds=node_seconds,
                                  transition_seconds=switch, resident=resident,
                                  transient_bytes=transient, extra_generation_bytes=extra,
                                  offload_bytes=offloaded.total,
                                  offload_seconds=offload_seconds))
     return out
+
+
+def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[Node],
+                  usable_bytes: float,
+                  forwards: dict) -> tuple[MemoryBreakdown, tuple, float] | None:
+    """Resident state, seconds of the non-generating operations and their largest transient
+    need under ``plan``'s training layout; None as soon as the model cannot fit alone (the
+    resident state plus any operation's transient need exceeds the usable memory)."""
+    resident, freed = role_state(job, role, plan.parallel)
+    if resident.total > usable_bytes:
+        return None
+    seconds = []
+    transient = 0.0
+    for node in role_nodes:
+        if node.operation == "generate":
+            continue
+        par = plan.parallel
+        # A forward pass reads the layout's shape, sharding and sequence parallelism, not
+        # the training micro-batch or recompute mode: those layouts share it.
+        key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel) \
+            if node.operation == "infer" else None
+        cost = forwards.get(key) if key is not None else None
+        if cost is None:
+            estimate = model_node(job, node, plan, location=0, resident=resident,
+                                  freed_grads=freed)
+            cost = (estimate.seconds, estimate.transient.total)
+            if key is not None:
+                forwards[key] = cost
+        seconds.append((node.name, cost[0]))
+        transient = max(transient, cost[1])
+        if resident.total + transient > usable_bytes:
+            return None
+    return resident, tuple(seconds), transient
 
 
 def plan_label(plan: RolePlan) -> str:
@@ -166,22 +217,109 @@ class SetPoint:
     """Largest per-GPU transient need of the set's operations."""
 
 
-def pareto_mask(values: np.ndarray, ranks: np.ndarray | None = None) -> np.ndarray:
+def pareto_mask(values: np.ndarray, ranks: np.ndarray | None = None,
+                key_of: Callable[[np.ndarray], list] | None = None,
+                all_pairs: bool = False) -> np.ndarray:
     """Rows of ``values`` (to minimise) that no other row dominates; of equal rows the one
-    with the lowest ``rank`` (default: the first)."""
+    with the lowest ``rank`` (default: the first). ``key_of`` (rows -> sort keys) may stand in
+    for ``ranks``: it is called only for rows still undominated that share their sum with
+    another such row, which gives the same result as ranking every row by those keys.
+    ``all_pairs`` compares every pair of rows at once (same result; faster when many rows
+    survive, slower when few do)."""
     n = len(values)
     if n <= 1:
         return np.ones(n, dtype=bool)
-    ranks = np.arange(n) if ranks is None else ranks
-    order = np.lexsort((ranks, values.sum(axis=1)))
+    sums = values.sum(axis=1)
+    if key_of is not None and not all_pairs and n > SWEEP_ROWS and not np.isnan(sums).any():
+        # The sweep's first steps without sorting: while one row has the least sum it comes
+        # first and survives, and everything it dominates goes.
+        mask = np.zeros(n, dtype=bool)
+        rest = np.arange(n)
+        while len(rest) > SWEEP_ROWS:
+            rest_sums = sums[rest]
+            at = int(np.argmin(rest_sums))
+            if np.count_nonzero(rest_sums == rest_sums[at]) > 1:
+                break
+            pivot = rest[at]
+            mask[pivot] = True
+            rest = rest[~(values[pivot] <= values[rest] + EPSILON).all(axis=1)]
+        if len(rest):
+            mask[rest[_sweep(values[rest], None, lambda rows: key_of(rest[rows]), False)]] = True
+        return mask
+    return _sweep(values, ranks, key_of, all_pairs)
+
+
+def _sweep(values: np.ndarray, ranks: np.ndarray | None,
+           key_of: Callable[[np.ndarray], list] | None, all_pairs: bool) -> np.ndarray:
+    """``pareto_mask`` by one sweep in (sum, rank) order."""
+    n = len(values)
+    if n <= 1:
+        return np.ones(n, dtype=bool)
+    sums = values.sum(axis=1)
+    if key_of is None:
+        ranks = np.arange(n) if ranks is None else ranks
+        order = np.lexsort((ranks, sums))
+        if all_pairs and n * n * values.shape[1] <= MATRIX_LIMIT:
+            ordered = values[order]
+            return _pareto_by_matrix(ordered, ordered + EPSILON, order)
+    else:
+        order = np.argsort(sums, kind="stable")
     ordered = values[order]
+    limits = ordered + EPSILON  # row i dominates row j when ordered[i] <= limits[j]
     alive = np.ones(n, dtype=bool)
-    for i in range(n):
-        if not alive[i]:
-            continue
-        rest = ordered[i + 1:]
-        dominated = np.all(ordered[i] <= rest + EPSILON, axis=1)
-        alive[i + 1:] &= ~dominated
+    group_end = None
+    if key_of is not None:
+        ordered_sums = sums[order]
+        same = ordered_sums[1:] == ordered_sums[:-1]
+        same |= np.isnan(ordered_sums[1:]) & np.isnan(ordered_sums[:-1])
+        if all_pairs and not same.any() and n * n * values.shape[1] <= MATRIX_LIMIT:
+            return _pareto_by_matrix(ordered, limits, order)
+        starts = np.flatnonzero(~same) + 1
+        # End (exclusive) of the run of equal sums that each position belongs to.
+        group_end = np.append(starts, n)[np.searchsorted(starts, np.arange(n), side="right")]
+    settled = 0  # positions before this have their final order
+    i = 0
+    while True:
+        if group_end is not None and i >= settled:
+            end = int(group_end[i])
+            if end - i > 1:
+                members = i + np.flatnonzero(alive[i:end])
+                if len(members) > 1:
+                    rows = order[members]
+                    by_rank = np.lexsort((rows, _ranks(key_of(rows))))
+                    order[members] = rows[by_rank]
+                    ordered[members] = ordered[members][by_rank]
+                    limits[members] = limits[members][by_rank]
+            settled = end
+        alive[i + 1:] &= ~(ordered[i] <= limits[i + 1:]).all(axis=1)
+        if i + 1 >= n:
+            break
+        step = int(alive[i + 1:].argmax())
+        if not alive[i + 1 + step]:
+            break
+        i += 1 + step
+    mask = np.zeros(n, dtype=bool)
+    mask[order[alive]] = True
+    return mask
+
+
+def _pareto_by_matrix(ordered: np.ndarray, limits: np.ndarray,
+                      order: np.ndarray) -> np.ndarray:
+    """``pareto_mask``'s sweep for rows already in their final order, from the matrix of
+    which row dominates which: a row survives when no surviving row before it dominates it.
+    That rule determines the survivors position by position, so iterating it from "nothing
+    dominated" reaches them (positions before t are right after t rounds) and stops at them."""
+    n = len(ordered)
+    beats = ordered[:, None, 0] <= limits[None, :, 0]
+    for column in range(1, ordered.shape[1]):
+        beats &= ordered[:, None, column] <= limits[None, :, column]
+    beats = np.triu(beats, 1)
+    alive = np.ones(n, dtype=bool)
+    for _ in range(n + 1):
+        update = ~(beats & alive[:, None]).any(axis=0)
+        if np.array_equal(update, alive):
+            break
+        alive = update
     mask = np.zeros(n, dtype=bool)
     mask[order[alive]] = True
     return mask
@@ -249,7 +387,10 @@ def _fold(combos: _Combos, candidates: Sequence[RoleCandidate], contributions: n
         # More state offloaded during generation leaves more KV cache: a better combination.
         values = np.column_stack([grown.contributions, grown.resident, grown.transient,
                                   -grown.offload])
-        grown = grown.take(pareto_mask(values, _ranks([label_of(p) for p in grown.picks])))
+        picks = grown.picks
+        grown = grown.take(pareto_mask(values, key_of=lambda rows: [label_of(picks[r])
+                                                                     for r in rows],
+                                       all_pairs=True))
     return grown
 
 
@@ -416,9 +557,11 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     if prune and len(selected) > 1:
         # Among equal duration vectors keep the least memory, then the smallest configs: the
         # order Candidate.sort_key uses, so pruning never drops the plan a full search keeps.
-        ranks = _ranks([(rounded(float(residents[row])), rounded(float(transients[row])),
-                         label_of(combos.picks[row])) for row in selected])
-        selected = selected[pareto_mask(durations[selected], ranks)]
+        def key_of(rows: np.ndarray) -> list:
+            return [(rounded(float(residents[row])), rounded(float(transients[row])),
+                     label_of(combos.picks[row])) for row in selected[rows]]
+
+        selected = selected[pareto_mask(durations[selected], key_of=key_of)]
     points = []
     for row in selected:
         chosen = [candidates[role][int(k)] for role, k in zip(order, combos.picks[row],

@@ -12,6 +12,7 @@ result is the exhaustive optimum: ``brute_force`` checks it on small cases.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -238,6 +239,7 @@ class _Layout:
                       for location, _, nodes in items]
         self._steps: dict[tuple[int, ...], list[Step]] = {}
         self._free: list[Step] | None = None
+        self._compiled: dict[tuple, Callable[[list], float]] = {}
 
     def steps(self, set_pools: tuple[int, ...]) -> list[Step]:
         """Steps with the transfers when the sets sit on these pools (positions in
@@ -274,6 +276,21 @@ class _Layout:
         return [self.fixed[i] if location < 0 else vectors[location][gi]
                 for i, (location, gi, _) in enumerate(self.items)]
 
+    def iteration(self, set_pools: tuple[int, ...] | None) -> Callable[[list], float]:
+        """The iteration time as a function of the sets' duration vectors: with the
+        transfers of sets on ``set_pools``, or none (None). Cached per key."""
+        key = ("free",) if set_pools is None else set_pools
+        function = self._compiled.get(key)
+        if function is None:
+            steps = self.steps_without_transfers if set_pools is None else \
+                self.steps(set_pools)
+
+            def function(vectors: list, steps: list[Step] = steps) -> float:
+                return makespan(steps, self.durations(vectors))
+
+            self._compiled[key] = function
+        return function
+
 
 class Search:
     """One search over a job; reusable caches live here.
@@ -304,6 +321,7 @@ class Search:
         self._generation_cache: tuple[dict, ...] = tuple({} for _ in self.pools)
         self._frontiers: dict[tuple[int, tuple[str, ...], int], list[SetPoint]] = {}
         self._ideals: dict[tuple[int, tuple[str, ...], int], tuple[float, ...] | None] = {}
+        self._role_ideals: dict[tuple[int, str, int], tuple[tuple[str, float], ...] | None] = {}
         self._groups: dict[tuple[str, ...], tuple[Group, ...]] = {}
         self._fastest: dict[tuple, float] = {}
         self._top_k = self.options.top_k
@@ -389,22 +407,38 @@ class Search:
         ideal = [0.0] * len(groups)
         result: tuple[float, ...] | None = None
         for role in roles:
-            cands = self.candidates(role, gpus, pool)
-            if not cands:
+            terms = self._role_ideal(role, gpus, pool)
+            if terms is None:
                 break
-            for name, _ in cands[0].node_seconds:
-                ideal[group_of[name]] += min(dict(c.node_seconds)[name] for c in cands)
-            generates = [n for n in self.job.dataflow.nodes
-                         if n.role == role and n.operation == "generate"]
-            if generates:
-                ideal[group_of[generates[0].name]] += min(c.transition_seconds for c in cands)
-            for node in generates:
-                ideal[group_of[node.name]] += min(self._fastest_generation(node.name, c, pool)
-                                                  for c in cands)
+            for name, seconds in terms:
+                ideal[group_of[name]] += seconds
         else:
             result = tuple(ideal)
         self._ideals[key] = result
         return result
+
+    def _role_ideal(self, role: str, gpus: int,
+                    pool: int) -> tuple[tuple[str, float], ...] | None:
+        """What ``quick_ideal`` adds for one model, in order: (operation, least seconds);
+        None when no config of the model fits. Cached per (pool, role, GPUs)."""
+        key = (pool, role, gpus)
+        if key in self._role_ideals:
+            return self._role_ideals[key]
+        cands = self.candidates(role, gpus, pool)
+        terms: tuple[tuple[str, float], ...] | None = None
+        if cands:
+            out = [(name, min(c.node_seconds[index][1] for c in cands))
+                   for index, (name, _) in enumerate(cands[0].node_seconds)]
+            generates = [n for n in self.job.dataflow.nodes
+                         if n.role == role and n.operation == "generate"]
+            if generates:
+                out.append((generates[0].name, min(c.transition_seconds for c in cands)))
+            for node in generates:
+                out.append((node.name, min(self._fastest_generation(node.name, c, pool)
+                                           for c in cands)))
+            terms = tuple(out)
+        self._role_ideals[key] = terms
+        return terms
 
     def _fastest_generation(self, name: str, candidate: RoleCandidate, pool: int) -> float:
         key = (pool, name, candidate.plan.generation, candidate.plan.parallel.world_size)
@@ -447,15 +481,22 @@ class Search:
         for roles, options in zip(placement, options_for, strict=True):
             per_pool = []
             for p in pools:
+                # A running minimum over the pool's usable sizes up to g (sizes ascend).
                 table: dict[int, tuple[float, ...]] = {}
+                usable = {s for q, s in options if q == p}
+                running: tuple[float, ...] | None = None
                 for g in self.pool_sizes[p]:
-                    vectors = [self.quick_ideal(roles, s, p) for q, s in options
-                               if q == p and s <= g]
-                    vectors = [v for v in vectors if v is not None]
-                    if vectors:
-                        table[g] = tuple(min(col) for col in zip(*vectors, strict=True))
+                    if g in usable:
+                        vector = self.quick_ideal(roles, g, p)
+                        assert vector is not None
+                        running = vector if running is None else tuple(
+                            min(a, b) for a, b in zip(running, vector, strict=True))
+                    if running is not None:
+                        table[g] = running
                 per_pool.append(table)
             best_within.append(per_pool)
+        # Each table's sizes in ascending order, for "the largest size within the GPUs left".
+        within_keys = [[list(table) for table in per_pool] for per_pool in best_within]
 
         def threshold() -> float:
             if len(top) < self._top_k:
@@ -465,7 +506,8 @@ class Search:
         def remaining_in(chosen: list[tuple[int, int]], p: int) -> int:
             return self.pool_gpus[p] - sum(size for q, size in chosen if q == p)
 
-        def bound_partial(chosen: list[tuple[int, int]]) -> float:
+        def bound_partial(chosen: list[tuple[int, int]], left: list[int]) -> float:
+            """``left``: GPUs of each pool that ``chosen`` leaves."""
             vectors = []
             for i in range(k):
                 if i < len(chosen):
@@ -474,17 +516,16 @@ class Search:
                 # The best the set could do on any pool with the GPUs left there.
                 found = []
                 for p in pools:
-                    table = best_within[i][p]
-                    left = remaining_in(chosen, p)
-                    vector = table.get(max((g for g in table if g <= left), default=0))
-                    if vector is not None:
-                        found.append(vector)
+                    keys = within_keys[i][p]
+                    at = bisect.bisect_right(keys, left[p]) - 1
+                    if at >= 0:
+                        found.append(best_within[i][p][keys[at]])
                 if not found:
                     return math.inf
-                vectors.append(tuple(min(col) for col in zip(*found, strict=True)))
-            steps = (layout.steps(tuple(p for p, _ in chosen)) if len(chosen) == k
-                     else layout.steps_without_transfers)
-            return makespan(steps, layout.durations(vectors))
+                vectors.append(found[0] if len(found) == 1 else
+                               tuple(min(col) for col in zip(*found, strict=True)))
+            return layout.iteration(tuple(p for p, _ in chosen) if len(chosen) == k
+                                    else None)(vectors)
 
         def fits(chosen: list[tuple[int, int]], p: int) -> bool:
             sizes = tuple(size for q, size in chosen if q == p)
@@ -494,14 +535,17 @@ class Search:
             if len(chosen) == k:
                 self.evaluate_allocation(layout, tuple(chosen), top, threshold)
                 return
+            left = [remaining_in(chosen, p) for p in pools]
             for p, size in options_for[len(chosen)]:
-                if size > remaining_in(chosen, p):
+                if size > left[p]:
                     continue
                 trial = [*chosen, (p, size)]
                 if not fits(trial, p):
                     continue
                 if self.options.prune:
-                    bound = bound_partial(trial)
+                    trial_left = left.copy()
+                    trial_left[p] -= size
+                    bound = bound_partial(trial, trial_left)
                     if self.too_slow(bound) or \
                             bound * factor_at_least(trial) > threshold() + EPSILON:
                         self.stats.partial_allocations_pruned += 1
@@ -518,7 +562,7 @@ class Search:
         placement = layout.placement
         set_pools = tuple(p for p, _ in allocation)
         sizes = tuple(size for _, size in allocation)
-        steps = layout.steps(set_pools)
+        iteration = layout.iteration(set_pools)
         frontiers = [self.frontier(roles, size, p)
                      for roles, (p, size) in zip(placement, allocation, strict=True)]
         if any(not f for f in frontiers):
@@ -528,13 +572,14 @@ class Search:
         factor = self.score_factor(allocation)
         rate = self.dollars_per_second(allocation) if self.priced else None
         if self.options.prune:
-            bound = makespan(steps, layout.durations(ideals))
+            bound = iteration(ideals)
             if self.too_slow(bound) or bound * factor > threshold() + EPSILON:
                 self.stats.allocations_pruned += 1
                 return
         first_gpus = self.first_gpus(allocation)
         node_groups = tuple(self.pools[p].index for p in set_pools)
         best: list[Candidate] = []
+        best_key: list[tuple] = []
         chosen: list[SetPoint] = []
 
         def bound_limit() -> float:
@@ -545,7 +590,7 @@ class Search:
 
         def visit(i: int) -> None:
             if i == len(frontiers):
-                seconds = makespan(steps, layout.durations([p.durations for p in chosen]))
+                seconds = iteration([p.durations for p in chosen])
                 self.stats.candidates_evaluated += 1
                 if self.too_slow(seconds):
                     return
@@ -554,14 +599,18 @@ class Search:
                     points=tuple(chosen), iteration_seconds=seconds, node_groups=node_groups,
                     dollars_per_iteration=None if rate is None else seconds * rate,
                     score=seconds * factor if self.ranking.by_cost else None)
-                if not best or candidate.sort_key() < best[0].sort_key():
+                if best and rounded(candidate.objective_value) > best_key[0][0]:
+                    return  # a key's first field is the rounded objective value
+                key = candidate.sort_key()
+                if not best or key < best_key[0]:
                     best[:] = [candidate]
+                    best_key[:] = [key]
                 return
             for point in frontiers[i]:
                 chosen.append(point)
                 if self.options.prune and i + 1 < len(frontiers):
                     vectors = [p.durations for p in chosen] + ideals[i + 1:]
-                    bound = makespan(steps, layout.durations(vectors))
+                    bound = iteration(vectors)
                     if self.too_slow(bound) or bound * factor > bound_limit() + EPSILON:
                         chosen.pop()
                         continue
