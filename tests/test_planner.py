@@ -199,3 +199,25 @@ def test_any_backend_plans_only_what_the_installed_backends_run(
                                                         recompute=("selective",)))).best
     assert best is not None
     best.to_plan(job).check_backends()
+
+
+def test_forward_passes_and_transitions_do_not_read_the_training_micro_batch_or_recompute(
+        ) -> None:
+    """``evaluate_role`` shares these costs among layouts that differ only in the training
+    micro-batch and recompute mode; this is what makes that sharing exact."""
+    from simulator.costs.transition import transition
+    from simulator.plan import RolePlan
+    from simulator.predict import model_node
+    from simulator.specs.parallel import GenerationConfig, ParallelConfig
+
+    job = default_job()
+    profile = job.cluster.profile()
+    gen = GenerationConfig(tp=2)
+    layouts = [ParallelConfig(tp=2, dp=4, sharding="optimizer", micro_batch_size=mb,
+                              recompute=rc) for mb in (1, 4) for rc in ("none", "full")]
+    infer = [model_node(job, job.dataflow.node("ref.infer"), RolePlan(parallel=p),
+                        location=0) for p in layouts]
+    assert len({(e.seconds, e.transient.total) for e in infer}) == 1
+    for scheme in ("micro_dp", "train_group", "all_gpus"):
+        assert len({transition(job.model("actor"), profile, p, gen, scheme=scheme).seconds
+                    for p in layouts}) == 1
