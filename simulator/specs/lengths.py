@@ -22,6 +22,11 @@ from profiles.datafile import SpecError, from_mapping, read_text_file, require
 
 Kind = Literal["fixed", "uniform", "normal", "lognormal", "max_entropy", "empirical"]
 
+PROGRESSION_RUNS = 64
+"""Distinct lengths up to which ``progression_moments`` sums a range exactly, run by run."""
+PROGRESSION_SAMPLES = 64
+"""Evenly spread terms ``progression_moments`` averages over a range of many distinct lengths."""
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class LengthDistribution:
@@ -52,6 +57,10 @@ class LengthDistribution:
     """empirical: the distinct lengths (filled from ``csv``)."""
     weights: tuple[float, ...] = field(default=(), repr=False)
     """empirical: the probability of each length (filled from ``csv``)."""
+    _cumulative_weights: tuple[float, ...] = field(default=(), init=False, repr=False,
+                                                   compare=False)
+    """empirical: running sums of ``weights``, kept here because hashing the weights to look
+    them up in a cache costs as much as summing them (a quantile is a bisection in them)."""
 
     def __post_init__(self) -> None:
         kind = self.distribution
@@ -89,6 +98,7 @@ class LengthDistribution:
             require(len(self.lengths) == len(self.weights), "lengths and weights differ",
                     "csv")
             require(min(self.lengths) > 0, "lengths must be positive", "csv")
+            object.__setattr__(self, "_cumulative_weights", _cumulative(self.weights))
 
     # ----- queries -----
 
@@ -128,7 +138,7 @@ class LengthDistribution:
             return _exponential_quantile(q, low, float(self.max),  # type: ignore[arg-type]
                                          _max_entropy_rate(low, float(self.max),  # type: ignore[arg-type]
                                                            float(self.mean)))  # type: ignore[arg-type]
-        cumulative = _cumulative(self.weights)
+        cumulative = self._cumulative_weights
         i = bisect.bisect_left(cumulative, q)
         return float(self.lengths[min(i, len(self.lengths) - 1)])
 
@@ -145,6 +155,59 @@ class LengthDistribution:
     def sample(self, count: int) -> tuple[int, ...]:
         """``count`` lengths at the quantiles (i + 0.5) / count, ascending (deterministic)."""
         return _stratified(self, count)
+
+    def length_at(self, index: int, count: int) -> int:
+        """``sample(count)[index]`` in tokens, without computing the other ``count - 1``."""
+        if self.distribution == "fixed":
+            return int(self.value)  # type: ignore[arg-type]
+        return max(1, round(self.quantile((index + 0.5) / count)))
+
+    def progression_moments(self, first: int, stride: int, terms: int,
+                             count: int) -> tuple[float, float]:
+        """Mean length (tokens) and mean squared length (tokens^2) of ``sample(count)[first +
+        k * stride]`` for k in [0, terms), without evaluating every term.
+
+        The lengths are non-decreasing in k, so they come in runs of equal values: when the
+        range holds at most PROGRESSION_RUNS distinct lengths (empirical distributions, short
+        lengths, the clipped maximum) the runs are found by bisection and summed exactly;
+        otherwise (a smooth distribution over many distinct lengths) the terms are averaged
+        over PROGRESSION_SAMPLES evenly spread ones (the midpoint rule).
+        """
+        if terms <= 0:
+            return 0.0, 0.0
+
+        def at(k: int) -> int:
+            return self.length_at(first + k * stride, count)
+
+        low, high = at(0), at(terms - 1)
+        distinct = (high - low + 1 if self.distribution != "empirical" else
+                    bisect.bisect_right(self.lengths, high) - bisect.bisect_left(self.lengths, low))
+        if distinct > PROGRESSION_RUNS:  # a run costs a bisection: sample instead
+            points = min(terms, PROGRESSION_SAMPLES)
+            samples = [at(int((i + 0.5) * terms / points)) for i in range(points)]
+            return sum(samples) / points, sum(x * x for x in samples) / points
+        total = square = 0.0
+        k = 0
+        while k < terms:
+            value = at(k)
+            last, hi = k, terms - 1  # the run's last term lies in [last, hi]
+            if at(hi) == value:
+                last = hi
+            step = 1
+            while last + step < hi and at(last + step) == value:  # gallop, then bisect
+                last += step
+                step *= 2
+            hi = min(hi, last + step)
+            while last < hi:
+                mid = (last + hi + 1) // 2
+                if at(mid) == value:
+                    last = mid
+                else:
+                    hi = mid - 1
+            total += (last - k + 1) * value
+            square += (last - k + 1) * value * value
+            k = last + 1
+        return total / terms, square / terms
 
     def to_value(self) -> int | dict[str, Any]:
         """The YAML form (an integer for fixed lengths)."""
@@ -218,7 +281,7 @@ def _stratified(dist: LengthDistribution, count: int) -> tuple[int, ...]:
         return ()
     if dist.distribution == "fixed":
         return (int(dist.value),) * count  # type: ignore[arg-type]
-    return tuple(max(1, round(dist.quantile((i + 0.5) / count))) for i in range(count))
+    return tuple(dist.length_at(i, count) for i in range(count))
 
 
 def _read_lengths_csv(path: Path, key: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
