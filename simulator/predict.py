@@ -12,9 +12,9 @@ from profiles.datafile import SpecError
 from profiles.device import DTYPE_BYTES, HOST_PAGE_BYTES, DeviceProfile
 from profiles.framework import HostCopy
 from simulator.costs.generation import (
+    ReplicaBatch,
     generate,
     generation_weight_bytes,
-    replica_lengths,
     workspace_bytes,
 )
 from simulator.costs.inference import forward_pass
@@ -122,14 +122,16 @@ def node_sequences(job: JobSpec, node: Node) -> float:
     return work.sequences_per_iteration * node.sequences_per_response
 
 
-def generation_lengths(job: JobSpec, node: Node, replicas: int) -> tuple[int, ...]:
-    """Response lengths of the replica holding the longest response, for a generate node
-    (greedy nodes use ``greedy_response_length`` when the workload gives one)."""
+def generation_lengths(job: JobSpec, node: Node, replicas: int) -> ReplicaBatch:
+    """Responses of the replica holding the longest response, for a generate node (greedy
+    nodes use ``greedy_response_length`` when the workload gives one). A ReplicaBatch: the list
+    of lengths up to EXACT_SEQUENCES responses, a description the cost models price without
+    listing it above (use its ``sequences``, ``longest`` and ``mean_tokens``)."""
     work = job.workload
     distribution = work.response_length
     if node.responses == "greedy" and work.greedy_response_length is not None:
         distribution = work.greedy_response_length
-    return replica_lengths(distribution, int(node_sequences(job, node)), replicas)
+    return ReplicaBatch(distribution, int(node_sequences(job, node)), replicas)
 
 
 def grad_bytes_per_param(job: JobSpec, par: ParallelConfig) -> int:
