@@ -5,11 +5,20 @@ Prints figures and the targets of issue 2; never asserts."""
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Callable
 
 from profiles.device import load_profile
-from simulator.costs.generation import decode, generate
+from simulator.costs.generation import (
+    ReplicaBatch,
+    _fluid_plan,
+    _rank_strata,
+    decode,
+    decode_exact,
+    generate,
+    replica_lengths,
+)
 from simulator.costs.inference import forward_pass
 from simulator.costs.training import train_step
 from simulator.costs.transformer import layer_cost
@@ -17,6 +26,7 @@ from simulator.default_plan import colocate_plan
 from simulator.engine import simulate_des, simulate_paper
 from simulator.predict import estimate_plan
 from simulator.specs.job import default_job
+from simulator.specs.lengths import _stratified, parse_lengths
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 
@@ -107,6 +117,39 @@ def bench_cost_models() -> dict[str, float]:
     }
 
 
+def bench_generation_scaling() -> dict[str, float]:
+    """Milliseconds of one cold evaluation (lengths built, caches cleared) of the decode of 1k,
+    64k and 1M responses per iteration on one generation replica (Llama-2-7B, tp 1, A100;
+    lognormal lengths, median 400, sigma 1, at most 8192 tokens; 512-token prompts; cap 256).
+    before: the path before issue 14, every stratified length listed (``sample``), shuffled,
+    and the exact event loop over them; after: ``decode`` of the ``ReplicaBatch`` (the exact
+    loop up to EXACT_SEQUENCES responses, the fluid model above)."""
+    profile = load_profile("a100-80gb")
+    model, gen = MODEL_PRESETS["llama2-7b"], GenerationConfig(tp=1)
+    dist = parse_lengths({"distribution": "lognormal", "median": 400, "sigma": 1.0,
+                          "max": 8192}, "response_length")
+
+    def before(total: int) -> None:
+        listed = list(dist.sample(total)[::-1])
+        random.Random(0).shuffle(listed)
+        decode_exact(model, profile, gen, lengths=tuple(listed), prompt_len=512, cap=256)
+
+    def after(total: int) -> None:
+        decode(model, profile, gen, lengths=ReplicaBatch(dist, total, 1), prompt_len=512,
+               cap=256)
+
+    out = {}
+    for total in (1024, 65536, 1 << 20):
+        for name, evaluate in (("before", before), ("after", after)):
+            for cache in (decode, replica_lengths, _rank_strata, _fluid_plan, _stratified):
+                cache.cache_clear()
+            start = time.perf_counter()
+            evaluate(total)
+            out[f"decode of {total:,} responses, {name} (ms)"] = (
+                (time.perf_counter() - start) * 1000)
+    return out
+
+
 def bench_simulation() -> dict[str, float]:
     job = default_job()
     plan = colocate_plan(job)
@@ -148,6 +191,9 @@ def main() -> None:
     simulation = bench_simulation()
     for name, value in simulation.items():
         print(f"  {name:<48} {value:>12.3f}")
+    print("\nGeneration cost vs responses per iteration (issue 14):")
+    for name, value in bench_generation_scaling().items():
+        print(f"  {name:<52} {value:>8.1f}")
     evals = costs["train_step, cold (evals/s)"]
     sim_ms = simulation["event simulation of one PPO iteration (ms)"]
     print("\nTargets (issue 2):")
