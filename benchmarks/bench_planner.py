@@ -1,9 +1,13 @@
 """Planner speed (``make bench``): search time, candidates evaluated, cache hit rate and how
-much the bounds pruned, for PPO with four equal models. Prints; never asserts.
+much the bounds pruned. Prints; never asserts.
 
-Targets of issue 3 on a 2-core machine: <= 10 s for any 128-GPU case, <= 60 s for 1024 GPUs.
-For reference, HybridFlow reports its search takes up to half an hour (§8.5), and ReaL
-budgets 120 s for its MCMC search.
+Part 1, PPO with four equal models on the paper workload at 16-1024 GPUs (issue 3's table).
+Part 2, issue 14's targets on a 2-core machine: <= 1 s for every 128-GPU case of part 1;
+<= 10 s for PPO 4 x 70B on 128 GPUs with 1,000,000 sequences per iteration; <= 60 s for
+4,096 GPUs; and search time that does not grow with the batch (PPO 4 x 7B on 16 A100s with a
+long-tailed response length, 1,024 to 65,536 prompts). Also a mixed cluster (H100 + H20).
+For reference, HybridFlow reports its search takes up to half an hour (§8.5), and ReaL budgets
+120 s for its MCMC search.
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from simulator.costs.generation import decode, prefill_seconds
 from simulator.costs.inference import forward_pass
 from simulator.costs.training import train_step
 from simulator.costs.transformer import layer_cost
-from simulator.specs.job import default_job
+from simulator.specs.cluster import ClusterSpec, NodeGroup
+from simulator.specs.job import JobSpec, default_job
+from simulator.specs.lengths import LengthDistribution
 from simulator.specs.presets import MODEL_PRESETS
 
 CASES = [(m, g) for m in ("llama2-7b", "llama2-13b", "codellama-34b", "llama2-70b")
          for g in (16, 32, 64, 128)] + [("llama2-70b", 1024)]
+
+LONG_TAIL = LengthDistribution(distribution="lognormal", median=512, sigma=0.8, max=4096)
+"""A long-tailed response length (median 512 tokens, a few responses at the 4,096 cap)."""
 
 
 def clear_caches() -> None:
@@ -29,48 +38,92 @@ def clear_caches() -> None:
         fn.cache_clear()
 
 
+def paper_job(model: str, gpus: int) -> JobSpec:
+    job = default_job()
+    return replace(job.with_cluster(job.cluster.with_total_gpus(gpus)),
+                   models={r: MODEL_PRESETS[model] for r in job.models})
+
+
+def with_batch(job: JobSpec, prompts: int, lengths: LengthDistribution) -> JobSpec:
+    return replace(job, workload=replace(job.workload, prompts_per_iteration=prompts,
+                                         response_length=lengths))
+
+
+def timed_search(job: JobSpec) -> tuple[float, Search, object]:
+    clear_caches()
+    search = Search(job, SearchOptions(top_k=5))
+    start = time.perf_counter()
+    result = search.run()
+    return time.perf_counter() - start, search, result
+
+
+def row(label: str, gpus: int, seconds: float, result) -> str:
+    stats = result.stats
+    cache = stats.cost_model_cache()
+    pruned = stats.partial_allocations_pruned + stats.allocations_pruned
+    reached = stats.allocations + pruned
+    best = result.best
+    best_text = (f"{best.placement_label} ({'+'.join(map(str, best.sizes))}) "
+                 f"{best.iteration_seconds:.1f}" if best else "does not fit")
+    return (f"{label:<26} {gpus:>5} {seconds:>8.2f} {stats.candidates_evaluated:>11} "
+            f"{stats.allocations:>12} {pruned / max(reached, 1):>7.0%} "
+            f"{stats.configs_evaluated:>8} {cache['hit_rate']:>9.0%}  {best_text}")
+
+
+HEADER = (f"{'case':<26} {'GPUs':>5} {'seconds':>8} {'candidates':>11} {'allocations':>12} "
+          f"{'pruned':>8} {'configs':>8} {'cache hit':>10}  best placement (GPUs) s/iter")
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     cases = CASES[:2] if quick else CASES
-    print("Planner benchmark: PPO, four equal models, paper workload (1024 prompts, "
+    print("Planner benchmark, part 1: PPO, four equal models, paper workload (1024 prompts, "
           "1024 + 1024 tokens), A100-80GB, full search (all placements, top 5)\n")
-    header = (f"{'model':<14} {'GPUs':>5} {'seconds':>8} {'candidates':>11} {'allocations':>12} "
-              f"{'pruned':>8} {'configs':>8} {'cache hit':>10}  best placement (GPUs) s/iter")
-    print(header)
-    print("-" * len(header))
+    print(HEADER)
+    print("-" * len(HEADER))
     worst = {128: 0.0, 1024: 0.0}
     for model, gpus in cases:
-        clear_caches()
-        job = default_job()
-        job = replace(job.with_cluster(job.cluster.with_total_gpus(gpus)),
-                      models={r: MODEL_PRESETS[model] for r in job.models})
-        search = Search(job, SearchOptions(top_k=5))
-        start = time.perf_counter()
-        result = search.run()
-        seconds = time.perf_counter() - start
-        stats = result.stats
-        cache = stats.cost_model_cache()
-        pruned = stats.partial_allocations_pruned + stats.allocations_pruned
-        reached = stats.allocations + pruned
-        best = result.best
-        best_text = (f"{best.placement_label} ({'+'.join(map(str, best.sizes))}) "
-                     f"{best.iteration_seconds:.1f}" if best else "does not fit")
-        print(f"{model:<14} {gpus:>5} {seconds:>8.2f} {stats.candidates_evaluated:>11} "
-              f"{stats.allocations:>12} {pruned / max(reached, 1):>7.0%} "
-              f"{stats.configs_evaluated:>8} {cache['hit_rate']:>9.0%}  {best_text}",
-              flush=True)
+        seconds, _, result = timed_search(paper_job(model, gpus))
+        print(row(model, gpus, seconds, result), flush=True)
         if gpus in worst:
             worst[gpus] = max(worst[gpus], seconds)
     print("\nColumns: candidates = complete (placement, allocation, configs) evaluated; "
           "allocations = complete GPU allocations reached;\npruned = share of (partial) "
           "allocations cut by the lower bound; configs = model configs costed; cache hit = "
           "cost-model cache hits.")
-    if not quick:
-        print("\nTargets (issue 3):")
-        print(f"  <= 10 s for any 128-GPU case: worst {worst[128]:.2f} s -> "
-              f"{'met' if worst[128] <= 10 else 'MISSED'}")
-        print(f"  <= 60 s for 1024 GPUs: {worst[1024]:.2f} s -> "
-              f"{'met' if worst[1024] <= 60 else 'MISSED'}")
+    if quick:
+        return
+
+    print("\nPart 2: issue 14's cases\n")
+    print(HEADER)
+    print("-" * len(HEADER))
+    growth = []
+    for prompts in (1024, 8192, 65536):
+        job = with_batch(paper_job("llama2-7b", 16), prompts, LONG_TAIL)
+        seconds, _, result = timed_search(job)
+        growth.append(seconds)
+        print(row(f"7b lognormal {prompts:,} prompts", 16, seconds, result), flush=True)
+    million = with_batch(paper_job("llama2-70b", 128), 1_000_000, LONG_TAIL)
+    million_seconds, _, result = timed_search(million)
+    print(row("70b lognormal 1,000,000", 128, million_seconds, result), flush=True)
+    big_seconds, _, result = timed_search(paper_job("llama2-70b", 4096))
+    print(row("70b paper workload", 4096, big_seconds, result), flush=True)
+    mixed = default_job().with_cluster(ClusterSpec(node_groups=(
+        NodeGroup(nodes=8, device="h100-80gb"), NodeGroup(nodes=8, device="h20"))))
+    mixed_seconds, _, result = timed_search(mixed)
+    print(row("7b, 64 H100 + 64 H20", 128, mixed_seconds, result), flush=True)
+
+    print("\nTargets (issue 14):")
+    print(f"  <= 1 s for every 128-GPU case of part 1: worst {worst[128]:.2f} s -> "
+          f"{'met' if worst[128] <= 1 else 'MISSED'}")
+    print(f"  <= 10 s for PPO 4 x 70B, 128 GPUs, 1,000,000 sequences: {million_seconds:.2f} s "
+          f"-> {'met' if million_seconds <= 10 else 'MISSED'}")
+    print(f"  <= 60 s for 4,096 GPUs: {big_seconds:.2f} s -> "
+          f"{'met' if big_seconds <= 60 else 'MISSED'}")
+    print(f"  search time against the batch (1,024 -> 65,536 prompts): "
+          f"{growth[0]:.2f} s -> {growth[-1]:.2f} s ({growth[-1] / growth[0]:.1f}x for 64x "
+          "the sequences)")
+    print(f"  (issue 3: <= 60 s for 1,024 GPUs: {worst[1024]:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.costs.generation import (
+    ReplicaBatch,
     decode,
     decode_step_model,
     generation_weight_bytes,
@@ -419,8 +420,8 @@ def _generation_table(job: JobSpec, node: Node, plan: RolePlan, gpus: int,
     step = decode_step_model(model, gen, work.dtype, job.cluster.gpus_per_node)
     table = _GenerationTable(
         kv_bytes_per_token=step.kv_bytes_per_token_per_gpu,
-        longest_tokens=work.prompt_length + max(lengths), sequences=len(lengths),
-        mean_response=sum(lengths) / len(lengths),
+        longest_tokens=work.prompt_length + lengths.longest, sequences=lengths.sequences,
+        mean_response=lengths.mean_tokens,
         workspace_bytes=workspace_bytes(model, gen, work.dtype),
         seconds_by_cap={}, peak_kv_bytes_by_cap={})
     cache[key] = (table, lengths)
@@ -428,7 +429,7 @@ def _generation_table(job: JobSpec, node: Node, plan: RolePlan, gpus: int,
 
 
 def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
-                        lengths: tuple[int, ...], table: _GenerationTable, cap: int,
+                        lengths: ReplicaBatch, table: _GenerationTable, cap: int,
                         gpus: int) -> float:
     if cap not in table.seconds_by_cap:
         work = job.workload
@@ -440,7 +441,7 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
             model, profile, gen, lengths=lengths, prompt_len=work.prompt_length, cap=cap,
             dtype=work.dtype, gpus_per_node=gpn, cuda_graphs=rollout.cuda_graphs,
             host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
-        seconds += prefill_seconds(model, profile, gen, sequences=len(lengths),
+        seconds += prefill_seconds(model, profile, gen, sequences=lengths.sequences,
                                    prompt_len=work.prompt_length, dtype=work.dtype,
                                    gpus_per_node=gpn)
         seconds += generation_fixed_seconds(job, model, gen)

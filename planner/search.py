@@ -677,15 +677,15 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
     work = job.workload
     model = job.model(node.role)
     lengths = generation_lengths(job, node, gen.replicas(plan.parallel))
-    cap = running_cap(gen, sequences=len(lengths), kv_capacity_tokens=math.inf,
-                      prompt_len=work.prompt_length, mean_response=sum(lengths) / len(lengths))
+    cap = running_cap(gen, sequences=lengths.sequences, kv_capacity_tokens=math.inf,
+                      prompt_len=work.prompt_length, mean_response=lengths.mean_tokens)
     profile = job.cluster.profile()
     seconds, _, _ = decode(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                            cap=cap, dtype=work.dtype, gpus_per_node=job.cluster.gpus_per_node,
                            cuda_graphs=job.framework_profile.rollout.cuda_graphs,
                            host_seconds_per_sequence=job.framework_profile.rollout
                            .decode_host_seconds_per_sequence)
-    return seconds + prefill_seconds(model, profile, gen, sequences=len(lengths),
+    return seconds + prefill_seconds(model, profile, gen, sequences=lengths.sequences,
                                      prompt_len=work.prompt_length, dtype=work.dtype,
                                      gpus_per_node=job.cluster.gpus_per_node) \
         + generation_fixed_seconds(job, model, gen)

@@ -52,7 +52,7 @@ def test_default_job_is_the_papers(paper_job: JobSpec) -> None:
          "workload.response_length.min", "min <= max"),
         ("cluster:", "clutser:", "clutser", "unknown key"),
         ("prompts_per_iteration: 16", "prompts_per_iteration: 100000000",
-         "workload.prompts_per_iteration", "above the planner's limit of 262144"),
+         "workload.prompts_per_iteration", "above the planner's limit of 16777216"),
     ],
 )
 def test_bad_job_names_file_key_and_problem(tmp_path: Path, old: str, new: str, key: str,
