@@ -69,31 +69,42 @@ class DecodeStepModel:
         bytes_read = self.weight_bytes_per_gpu + kv_tokens * self.kv_bytes_per_token_per_gpu
         memory = bytes_read / (profile.memory_bandwidth_bytes_per_s
                                * profile.efficiency.memory.at(bytes_read))
-        peak = profile.peak_flops(dtype)
-        gemm_size = batch * self.matmul_flops_per_token_per_gpu / max(
-            1.0, 4 * self.layers_per_stage)
-        compute = (batch * self.matmul_flops_per_token_per_gpu
-                   / (peak * profile.efficiency.matmul.at(gemm_size))
-                   + kv_tokens * self.attention_flops_per_kv_token_per_gpu / peak)
-        comm = 2 * self.layers_per_stage * all_reduce_seconds(
-            profile, batch * self.hidden_bytes, self.tp, self.tp_crosses_nodes)
-        # Decode kernels are microseconds long, so in eager mode each kernel's fixed launch
-        # cost adds up instead of hiding behind the previous kernel as it does in training
-        # (vLLM PR #1440: Llama-2-7B at batch 1 decodes in ~12 ms per step eager, ~10.5 ms
-        # with CUDA graphs). A captured graph replays the step's kernels from one launch.
-        launches = profile.overheads.kernel_launch_seconds if (
-            cuda_graphs and profile.kind == "gpu") else (
-            self.layers_per_stage * KERNELS_PER_LAYER_DECODE
-            * profile.overheads.kernel_launch_seconds)
+        gemm, comm_and_launches = _batch_terms(self, profile, dtype, batch, cuda_graphs)
+        compute = gemm + kv_tokens * self.attention_flops_per_kv_token_per_gpu \
+            / profile.peak_flops(dtype)
         # The fitted decode correction scales the device work only (not collectives, which
         # carry their own correction, nor the fixed per-kernel cost).
-        stage = max(memory, compute) * profile.correction("decode") + comm + launches
+        stage = max(memory, compute) * profile.correction("decode") + comm_and_launches
         # An engine that does not schedule asynchronously prepares the next step on the host
         # (scheduling, input tensors, sampled-token output) while the GPU waits: host work per
         # running sequence, serialised with the step.
         host = batch * host_seconds_per_sequence
         # Without micro-batching across stages, a token passes every pipeline stage in turn.
         return self.pp * stage + host + profile.overheads.decode_step_seconds
+
+
+@lru_cache(maxsize=65536)
+def _batch_terms(step: DecodeStepModel, profile: DeviceProfile, dtype: str, batch: float,
+                 cuda_graphs: bool) -> tuple[float, float]:
+    """The parts of a decode step that depend on the running batch only: (seconds of the
+    weight GEMMs, seconds of the tensor-parallel all-reduces plus kernel launches). Cached: a
+    continuous-batching loop asks for the same running batch at many steps."""
+    peak = profile.peak_flops(dtype)
+    gemm_size = batch * step.matmul_flops_per_token_per_gpu / max(1.0, 4 * step.layers_per_stage)
+    gemm = batch * step.matmul_flops_per_token_per_gpu / (
+        peak * profile.efficiency.matmul.at(gemm_size))
+    comm = 2 * step.layers_per_stage * all_reduce_seconds(
+        profile, batch * step.hidden_bytes, step.tp, step.tp_crosses_nodes)
+    # Decode kernels are microseconds long, so in eager mode each kernel's fixed launch
+    # cost adds up instead of hiding behind the previous kernel as it does in training
+    # (vLLM PR #1440: Llama-2-7B at batch 1 decodes in ~12 ms per step eager, ~10.5 ms
+    # with CUDA graphs). A captured graph replays the step's kernels from one launch.
+    launches = profile.overheads.kernel_launch_seconds if (
+        cuda_graphs and profile.kind == "gpu") else (
+        step.layers_per_stage * KERNELS_PER_LAYER_DECODE
+        * profile.overheads.kernel_launch_seconds)
+    return gemm, comm + launches
+
 
 
 @lru_cache(maxsize=4096)
