@@ -148,6 +148,22 @@ def _distinct_profiles(job: JobSpec) -> list:
     return list({p.name: p for p in reversed(job.cluster.profiles())}.values())[::-1]
 
 
+def _accuracy_notes(profiles: list) -> str:
+    """``_accuracy_note`` of each profile, with the uncalibrated profiles named together (they
+    share one statement: the validation against published measurements)."""
+    calibrated = [_accuracy_note(p) for p in profiles
+                  if p.provenance.accuracy or p.provenance.fitted_on]
+    plain = [p for p in profiles if not (p.provenance.accuracy or p.provenance.fitted_on)]
+    if len(plain) > 1:
+        note = _accuracy_note(plain[0])
+        names = ", ".join(f"{p.name} ({p.provenance.source})" for p in plain)
+        calibrated.append(f"Profiles {names} have not been calibrated on runs;"
+                          + note.split("has not been calibrated on runs;", 1)[1])
+    else:
+        calibrated += [_accuracy_note(p) for p in plain]
+    return " ".join(calibrated)
+
+
 def _accuracy_note(profile) -> str:
     """What is known about how far to trust predictions made with ``profile``."""
     from planner.provenance import stale_calibration
@@ -309,7 +325,7 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         f"{stats.candidates_evaluated} complete candidates evaluated; "
         f"{stats.configs_evaluated} model configs costed; cost-model cache hit rate "
         f"{cache['hit_rate']:.0%}"]
-    accuracy = " ".join(_accuracy_note(p) for p in _distinct_profiles(job))
+    accuracy = _accuracy_notes(_distinct_profiles(job))
 
     md = [f"# RLHF placement plan: {title}", ""]
     md += [f"- **{k}**: {v}" for k, v in summary]
