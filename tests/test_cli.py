@@ -290,3 +290,18 @@ def test_the_product_never_imports_the_test_only_shims() -> None:
     for package in ("planner", "simulator", "executor", "profiles", "reports"):
         for path in (ROOT / package).rglob("*.py"):
             assert not pattern.search(path.read_text(encoding="utf-8")), path
+
+
+def test_plan_json_on_a_mixed_cluster_ranked_by_cost(tmp_path: Path) -> None:
+    out = run_json("plan", "--config", str(EXAMPLES / "ppo-7b-h100-h20.yaml"), "--out",
+                   str(tmp_path), "--objective", "cost", "--pay-for", "used", "--top", "2")
+    best = out["best"]
+    assert len(best["node_groups"]) == len(best["gpus_per_set"])
+    assert best["dollars_per_iteration"] > 0 and best["tokens_per_dollar"] > 0
+    costs = [r["dollars_per_iteration"] for r in out["ranking"]]
+    assert costs == sorted(costs)  # ranked by dollars, not by time
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [s["node_group"] for s in plan["sets"]] == best["node_groups"]
+    assert plan["predicted"]["paying_for"] == "used"
+    report = (tmp_path / "report.md").read_text()
+    assert "| node_group | device |" in report and "Cost: **$" in report
