@@ -312,11 +312,6 @@ class Search:
         self.pool_gpn = tuple(p.group.gpus_per_node for p in self.pools)
         self.pool_sizes = tuple(set_sizes(g, n) for g, n in zip(self.pool_gpus, self.pool_gpn,
                                                                  strict=True))
-        # The single-pool names the rest of the planner reads.
-        self.profile = self.views[0].cluster.profile()
-        self.total_gpus = job.cluster.total_gpus
-        self.gpn = self.pool_gpn[0]
-        self.sizes = self.pool_sizes[0]
         self._candidates: dict[tuple[int, str, int], list[RoleCandidate]] = {}
         self._generation_cache: tuple[dict, ...] = tuple({} for _ in self.pools)
         self._frontiers: dict[tuple[int, tuple[str, ...], int], list[SetPoint]] = {}
