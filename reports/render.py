@@ -33,7 +33,7 @@ def gpus_label(evaluated: Evaluated, job: JobSpec | None = None) -> str:
     """'16+8', or with each set's device on a mixed cluster: '16 h20+8 h100-80gb'."""
     if job is None or job.cluster.is_homogeneous:
         return "+".join(str(s.gpus) for s in evaluated.plan.sets)
-    return "+".join(f"{s.gpus} {job.cluster.pool_of(s.node_group).group.profile().name}"
+    return "+".join(f"{s.gpus} {job.cluster.device_of(s.node_group)}"
                     for s in evaluated.plan.sets)
 
 

@@ -81,7 +81,7 @@ def _lane(plan: Plan, location: int, job: JobSpec | None = None) -> str:
     s = plan.sets[location]
     if job is None or job.cluster.is_homogeneous:
         return s.label()
-    return f"{s.label()} ({job.cluster.pool_of(s.node_group).group.profile().name})"
+    return f"{s.label()} ({job.cluster.device_of(s.node_group)})"
 
 
 def _gpus(plan: Plan, location: int) -> int:

@@ -179,7 +179,7 @@ class Plan:
                 configs.append(text)
             where = f"{s.gpus} GPUs"
             if job is not None and not job.cluster.is_homogeneous:
-                where = f"{s.gpus} x {job.cluster.pool_of(s.node_group).group.profile().name}"
+                where = f"{s.gpus} x {job.cluster.device_of(s.node_group)}"
             parts.append(f"[{where}] " + " ".join(configs))
         return " | ".join(parts)
 

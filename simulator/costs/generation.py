@@ -82,6 +82,19 @@ class DecodeStepModel:
         # Without micro-batching across stages, a token passes every pipeline stage in turn.
         return self.pp * stage + host + profile.overheads.decode_step_seconds
 
+    def interval(self, profile: DeviceProfile, dtype: str, batch: float, admitted_sum: float,
+                 prompt_len: int, start: float, finish: float, cuda_graphs: bool,
+                 host_seconds_per_sequence: float) -> tuple[float, float]:
+        """The steps from ``start`` to the next finish, ``finish`` (a running batch that does
+        not change in between; ``admitted_sum``: its sequences' admission steps, summed):
+        (seconds, KV tokens at the end). Priced at once, at the middle step's KV cache."""
+        count = finish - start
+        middle = start + (count - 1) / 2
+        kv_middle = batch * (prompt_len + 1 + middle) - admitted_sum
+        seconds = count * self.step_seconds(profile, dtype, batch, kv_middle, cuda_graphs,
+                                            host_seconds_per_sequence)
+        return seconds, batch * (prompt_len + finish) - admitted_sum
+
 
 @lru_cache(maxsize=65536)
 def _batch_terms(step: DecodeStepModel, profile: DeviceProfile, dtype: str, batch: float,
@@ -572,14 +585,11 @@ def _decode_exact(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
         next_index += 1
     while running:
         finish = running[0][0]
-        batch = len(running)
-        count = finish - step
-        if count > 0:
-            middle = step + (count - 1) / 2
-            kv_middle = batch * (prompt_len + 1 + middle) - admitted_sum
-            seconds += count * step_model.step_seconds(profile, dtype, batch, kv_middle,
-                                                       cuda_graphs, host_seconds_per_sequence)
-            kv_end = batch * (prompt_len + finish) - admitted_sum
+        if finish > step:
+            interval, kv_end = step_model.interval(
+                profile, dtype, len(running), admitted_sum, prompt_len, step, finish,
+                cuda_graphs, host_seconds_per_sequence)
+            seconds += interval
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
         while running and running[0][0] == finish:
@@ -658,13 +668,12 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
         if not running:
             break
         finish = running[0][0]
-        count = finish - step
-        if count > 0:
-            middle = step + (count - 1) / 2
-            kv_middle = weight * (prompt_len + 1 + middle) - admitted_sum
-            seconds += count * step_model.step_seconds(profile, dtype, weight, kv_middle,
-                                                       cuda_graphs, host_seconds_per_sequence)
-            peak_kv_tokens = max(peak_kv_tokens, weight * (prompt_len + finish) - admitted_sum)
+        if finish > step:
+            interval, kv_end = step_model.interval(
+                profile, dtype, weight, admitted_sum, prompt_len, step, finish, cuda_graphs,
+                host_seconds_per_sequence)
+            seconds += interval
+            peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
         # Groups of one length admitted at one step finish together; float sums of lengths
         # may differ in the last bits, so "together" is within 1e-9 steps.

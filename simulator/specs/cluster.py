@@ -189,6 +189,10 @@ class ClusterSpec:
         raise SpecError(f"node group {node_group} does not exist (the cluster has "
                         f"{len(self.node_groups)})", key="node_group")
 
+    def device_of(self, node_group: int) -> str:
+        """The device profile's name of node group ``node_group``."""
+        return self.pool_of(node_group).group.profile().name
+
     def pool_cluster(self, pool: Pool) -> ClusterSpec:
         """The cluster as seen from a set on ``pool``: that pool alone."""
         if self.is_homogeneous:
