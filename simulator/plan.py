@@ -21,6 +21,7 @@ from profiles.datafile import (
     write_text_atomic,
 )
 from simulator.costs.primitives import first_straddling_group
+from simulator.specs.asynchrony import MODE_STALENESS, MODES
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -62,6 +63,38 @@ class ColocatedSet:
         return (self.first_gpu // gpus_per_node,
                 (self.first_gpu + self.gpus - 1) // gpus_per_node)
 
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RolloutSet:
+    """GPUs that only generate, apart from every training set (asynchronous modes): the
+    actor's rollout replicas (``roles.actor.generation`` layout, ``gpus / (tp * pp)`` of them),
+    which receive the trainer's weights after each update."""
+
+    gpus: int
+    """GPUs of the rollout set."""
+    first_gpu: int = 0
+    """Index of its first GPU in its node group."""
+    node_group: int = 0
+    """Index in the job's ``cluster.node_groups`` of its group."""
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise SpecError(f"must be a positive integer, got {self.gpus}", key="gpus")
+        if self.first_gpu < 0:
+            raise SpecError("must be >= 0", key="first_gpu")
+        if self.node_group < 0:
+            raise SpecError("must be >= 0 (an index into cluster.node_groups)",
+                            key="node_group")
+
+    def as_set(self) -> ColocatedSet:
+        """The rollout set as a colocated set of the actor's generation (for the GPU range
+        checks and the timeline)."""
+        return ColocatedSet(roles=(ROLLOUT_LABEL,), gpus=self.gpus, first_gpu=self.first_gpu,
+                            node_group=self.node_group)
+
+
+ROLLOUT_LABEL = "rollout"
+"""The rollout set's name on timelines and in reports."""
 
 TRAINING_BACKENDS = ("torch", "megatron")
 
@@ -137,8 +170,36 @@ class Plan:
     """The simulator's summary when the plan was written (informational)."""
     job: dict[str, Any] | None = None
     """The job the plan was made for (so ``execute plan.json`` needs no other file)."""
+    mode: str = "sync"
+    """sync, one_step_off or async (``simulator/specs/asynchrony.py``)."""
+    max_staleness: int = 0
+    """Updates a batch's generating policy may lag the trainer's (0 sync, 1 one_step_off,
+    >= 1 async)."""
+    partial_rollout: bool = False
+    """async: a weight sync interrupts responses in flight instead of draining them."""
+    rollout: RolloutSet | None = None
+    """The generation-only GPUs of an asynchronous plan (None when synchronous: the actor
+    generates on its own GPUs)."""
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SpecError(f"unknown mode {self.mode!r} (choose {', '.join(MODES)})",
+                            key="mode")
+        if self.mode == "sync":
+            if self.rollout is not None:
+                raise SpecError("a synchronous plan generates on the actor's GPUs; remove "
+                                "rollout or set mode: one_step_off / async", key="rollout")
+        elif self.rollout is None:
+            raise SpecError(f"mode {self.mode} generates on a rollout set of its own: give "
+                            "rollout: {gpus, first_gpu}", key="rollout")
+        expected = MODE_STALENESS.get(self.mode)
+        if expected is not None and self.max_staleness != expected:
+            raise SpecError(f"mode {self.mode} has staleness {expected}, got "
+                            f"{self.max_staleness}", key="max_staleness")
+        if self.mode == "async" and self.max_staleness < 1:
+            raise SpecError("async needs max_staleness >= 1", key="max_staleness")
+        if self.partial_rollout and self.mode != "async":
+            raise SpecError("partial rollouts are part of the async mode", key="partial_rollout")
         if self.format != PLAN_FORMAT:
             raise SpecError(f"not a plan file (format must be {PLAN_FORMAT!r})", key="format")
         if self.version != PLAN_VERSION:
@@ -181,7 +242,29 @@ class Plan:
             if job is not None and not job.cluster.is_homogeneous:
                 where = f"{s.gpus} x {job.cluster.device_of(s.node_group)}"
             parts.append(f"[{where}] " + " ".join(configs))
+        if self.rollout is not None:
+            where = f"{self.rollout.gpus} GPUs"
+            if job is not None and not job.cluster.is_homogeneous:
+                where = f"{self.rollout.gpus} x {job.cluster.device_of(self.rollout.node_group)}"
+            gen = self.roles["actor"].generation if "actor" in self.roles else None
+            parts.append(f"[{where}] {ROLLOUT_LABEL}"
+                         + (f":{gen.short()}" if gen is not None else "")
+                         + f" ({self.mode_label()})")
         return " | ".join(parts)
+
+    def mode_label(self) -> str:
+        """'sync', 'one_step_off' or 'async (staleness 2, partial rollout)'."""
+        if self.mode != "async":
+            return self.mode
+        extra = ", partial rollout" if self.partial_rollout else ""
+        return f"async (staleness {self.max_staleness}{extra})"
+
+    def located_sets(self) -> tuple[ColocatedSet, ...]:
+        """The training sets and, for an asynchronous plan, the rollout set last (the
+        locations of the simulator's timeline)."""
+        if self.rollout is None:
+            return self.sets
+        return (*self.sets, self.rollout.as_set())
 
     # ----- validation against a job -----
 
@@ -209,32 +292,37 @@ class Plan:
                             "in host memory and swaps them into the actor's model: 'ref' must "
                             "be in the actor's set", key="sets")
         cluster = job.cluster
+        located = self.located_sets()
+
+        def where_key(i: int) -> str:
+            return f"sets[{i}]" if i < len(self.sets) else "rollout"
+
         pool_of: list = []
-        for i, s in enumerate(self.sets):
+        for i, s in enumerate(located):
             if s.node_group >= len(cluster.node_groups):
                 raise SpecError(f"node group {s.node_group} does not exist (the cluster has "
                                 f"{len(cluster.node_groups)}: 0-{len(cluster.node_groups) - 1})",
-                                key=f"sets[{i}].node_group")
+                                key=f"{where_key(i)}.node_group")
             pool_of.append(cluster.pool_of(s.node_group))
         for pool in {p.index: p for p in pool_of}.values():
             members = [i for i, p in enumerate(pool_of) if p.index == pool.index]
-            used = sum(self.sets[i].gpus for i in members)
+            used = sum(located[i].gpus for i in members)
             where = "the cluster" if cluster.is_homogeneous else f"node group {pool.index}"
             if used > pool.gpus:
                 raise SpecError(f"the sets use {used} GPUs but {where} has {pool.gpus}",
                                 key="sets")
-            ranges = sorted((self.sets[i].first_gpu, self.sets[i].first_gpu + self.sets[i].gpus,
+            ranges = sorted((located[i].first_gpu, located[i].first_gpu + located[i].gpus,
                              i) for i in members)
             for (a0, a1, ia), (b0, _b1, ib) in itertools.pairwise(ranges):
                 if b0 < a1:
                     raise SpecError(f"sets {ia} and {ib} overlap (GPUs {a0}-{a1 - 1} and from "
-                                    f"{b0})", key=f"sets[{ib}].first_gpu")
+                                    f"{b0})", key=f"{where_key(ib)}.first_gpu")
             gpus_per_node = pool.group.gpus_per_node
             for i in members:
-                s = self.sets[i]
+                s = located[i]
                 if s.first_gpu + s.gpus > pool.gpus:
                     raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} are outside "
-                                    f"{where}'s {pool.gpus}", key=f"sets[{i}].first_gpu")
+                                    f"{where}'s {pool.gpus}", key=f"{where_key(i)}.first_gpu")
                 # The cost model prices a set as part of one node or as whole nodes.
                 inside_one_node = s.first_gpu // gpus_per_node == \
                     (s.first_gpu + s.gpus - 1) // gpus_per_node
@@ -243,7 +331,7 @@ class Plan:
                     raise SpecError(f"GPUs {s.first_gpu}-{s.first_gpu + s.gpus - 1} cover part "
                                     f"of more than one node of {gpus_per_node} GPUs; a set lies "
                                     "inside one node or is whole nodes starting on a node "
-                                    "boundary", key=f"sets[{i}].first_gpu")
+                                    "boundary", key=f"{where_key(i)}.first_gpu")
         for role in gpu_roles:
             key = f"roles.{role}"
             if role not in self.roles:
@@ -267,8 +355,11 @@ class Plan:
             if generates:
                 if rp.generation is None:
                     raise SpecError("the actor needs a generation config", key=f"{key}.generation")
-                rp.generation.check(model, par, gpus_per_node=gpus_per_node,
-                                    key=f"{key}.generation")
+                if self.rollout is None:
+                    rp.generation.check(model, par, gpus_per_node=gpus_per_node,
+                                        key=f"{key}.generation")
+                else:
+                    self._check_rollout(job, model, rp.generation, key=f"{key}.generation")
             elif rp.generation is not None:
                 raise SpecError(f"{role} does not generate", key=f"{key}.generation")
             # Frozen models have no optimizer; FSDP-style parameter sharding is allowed.
@@ -278,6 +369,38 @@ class Plan:
         for role in self.roles:
             if role not in gpu_roles:
                 raise SpecError(f"{role!r} is not a GPU role of this job", key=f"roles.{role}")
+
+    def _check_rollout(self, job: JobSpec, model: Any, gen: GenerationConfig, *,
+                       key: str) -> None:
+        """The rollout set holds whole generation replicas of the actor (no training shard
+        to lie inside: the weights arrive by the sync after each update)."""
+        assert self.rollout is not None
+        gpus_per_node = job.cluster.pool_of(self.rollout.node_group).group.gpus_per_node
+        if gen.tp > gpus_per_node:
+            raise SpecError(f"tp={gen.tp} is larger than a node ({gpus_per_node} GPUs)",
+                            key=f"{key}.tp")
+        if model.heads % gen.tp:
+            raise SpecError(f"tp={gen.tp} does not divide the {model.heads} attention heads",
+                            key=f"{key}.tp")
+        if model.layers % gen.pp:
+            raise SpecError(f"pp={gen.pp} does not divide the {model.layers} layers",
+                            key=f"{key}.pp")
+        if self.rollout.gpus % gen.model_parallel_size:
+            raise SpecError(f"the rollout set's {self.rollout.gpus} GPUs do not hold whole "
+                            f"replicas of tp*pp={gen.model_parallel_size}", key="rollout.gpus")
+        straddle = first_straddling_group(self.rollout.first_gpu, self.rollout.gpus, gen.tp,
+                                          gpus_per_node)
+        if straddle is not None:
+            raise SpecError(f"the generation tp={gen.tp} group from GPU {straddle} would "
+                            "straddle two nodes", key=f"{key}.tp")
+
+    def generation_replicas(self) -> int:
+        """The actor's generation replicas: on the rollout set, or on its training GPUs."""
+        actor = self.roles["actor"]
+        assert actor.generation is not None
+        if self.rollout is not None:
+            return self.rollout.gpus // actor.generation.model_parallel_size
+        return actor.generation.replicas(actor.parallel)
 
     def check_backends(self) -> None:
         """Raise SpecError if a role's training backend cannot run its layout, or if the
@@ -314,6 +437,11 @@ class Plan:
             "roles": {r: {k: v for k, v in to_mapping(rp).items() if v is not None}
                       for r, rp in self.roles.items()},
         }
+        if self.mode != "sync":
+            out["mode"] = self.mode
+            out["max_staleness"] = self.max_staleness
+            out["partial_rollout"] = self.partial_rollout
+            out["rollout"] = to_mapping(self.rollout)
         if self.predicted is not None:
             out["predicted"] = self.predicted
         if self.job is not None:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from profiles.datafile import SpecError, from_mapping, read_mapping, require
 from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
+from simulator.specs.asynchrony import JobMode, Mode, allowed_modes, check_mode
 from simulator.specs.cluster import ClusterSpec, Pool
 from simulator.specs.data import DataSpec, parse_data
 from simulator.specs.dataflow import (
@@ -155,9 +156,22 @@ class JobSpec:
     """Role -> the Hugging Face checkpoint directory (or config.json) its model was read
     from, when it was given as a path: the executor starts the role from that checkpoint and
     takes the tokenizer from there."""
+    mode: JobMode = "sync"
+    """sync (default), one_step_off, async, or auto (the planner picks the fastest mode that
+    ``max_staleness`` allows); see ``simulator/specs/asynchrony.py``."""
+    max_staleness: int | None = None
+    """The most updates a batch's generating policy may lag the one that trains on it (0:
+    synchronous; async and auto default to 1)."""
+    partial_rollout: bool = False
+    """async: a weight sync interrupts the responses in flight, which continue with the new
+    weights (verl's partial rollout) instead of draining before the sync."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
+        check_mode(self.mode, self.max_staleness, self.partial_rollout)
+        if self.mode != "sync" and "actor" not in dataflow.trained_roles:
+            raise SpecError(f"{self.algorithm} trains no actor: nothing to run off-policy",
+                            key="mode")
         if self.reward_function is not None and self.models.get("reward") != RULE:
             raise SpecError("a reward function scores in place of a reward model: give "
                             "models.reward: rule", key="reward_function")
@@ -292,6 +306,11 @@ class JobSpec:
             raise SpecError(f"{role} is a rule, not a model", key=f"models.{role}")
         return model
 
+    @property
+    def allowed_modes(self) -> tuple[tuple[Mode, int], ...]:
+        """(mode, staleness) pairs the planner may choose from."""
+        return allowed_modes(self.mode, self.max_staleness)
+
     def with_cluster(self, cluster: ClusterSpec) -> JobSpec:
         return replace(self, cluster=cluster)
 
@@ -347,6 +366,10 @@ class JobSpec:
             **({"reward_function": to_mapping(self.reward_function)}
                if self.reward_function is not None else {}),
             **({"data": to_mapping(self.data)} if self.data is not None else {}),
+            **({"mode": self.mode} if self.mode != "sync" else {}),
+            **({"max_staleness": self.max_staleness} if self.max_staleness is not None
+               else {}),
+            **({"partial_rollout": True} if self.partial_rollout else {}),
         }
 
 
@@ -384,7 +407,7 @@ def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
 
 
 JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
-             "framework", "reward_function", "data")
+             "framework", "reward_function", "data", "mode", "max_staleness", "partial_rollout")
 """The top-level keys a job file may have."""
 
 
@@ -462,11 +485,21 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
             reward_function = RewardFunction(path=str(path.resolve()), name=reward_function.name)
         data_spec = parse_data(data["data"], base_dir) if data.get("data") is not None \
             else None
+        mode = data.get("mode", "sync")
+        if not isinstance(mode, str):
+            raise SpecError(f"expected one of sync, one_step_off, async, auto, got {mode!r}",
+                            key="mode")
+        max_staleness = data.get("max_staleness")
+        partial_rollout = data.get("partial_rollout", False)
+        if not isinstance(partial_rollout, bool):
+            raise SpecError(f"expected true or false, got {partial_rollout!r}",
+                            key="partial_rollout")
         return JobSpec(algorithm=algorithm, models=models,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
                        parallel=parallel, backends=backends, name=name, framework=framework,
                        reward_function=reward_function, data=data_spec,
-                       model_paths=model_paths)
+                       model_paths=model_paths, mode=mode,  # type: ignore[arg-type]
+                       max_staleness=max_staleness, partial_rollout=partial_rollout)
     except SpecError as exc:
         raise exc.within(source=source) from None
 
