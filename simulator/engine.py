@@ -19,6 +19,7 @@ from typing import Literal
 
 import simpy
 
+from profiles.datafile import SpecError
 from simulator.plan import Plan
 from simulator.predict import CONTROLLER_LOCATION, PlanEstimate
 from simulator.schedule import dataflow_steps, makespan
@@ -26,7 +27,7 @@ from simulator.specs.dataflow import Dataflow, Node
 from simulator.specs.job import JobSpec
 
 Mode = Literal["des", "paper"]
-EventKind = Literal["compute", "transition", "transfer"]
+EventKind = Literal["compute", "transition", "transfer", "sync"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +250,14 @@ def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 
 
     plan.validate(job)
     estimate = estimate_plan(job, plan, transition_scheme=transition_scheme)  # type: ignore[arg-type]
+    if plan.rollout is not None:
+        if mode == "paper":
+            raise SpecError("the paper's cost function prices synchronous plans only "
+                            f"(this plan runs {plan.mode})", key="mode")
+        from simulator.asynchronous import simulate_async
+
+        return simulate_async(job, plan, estimate, iterations=iterations if iterations > 1
+                              else None)
     if mode == "paper":
         return simulate_paper(job, plan, estimate)
     return simulate_des(job, plan, estimate, iterations=iterations,

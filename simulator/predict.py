@@ -22,10 +22,12 @@ from simulator.costs.memory import GIB, MemoryBreakdown, does_not_fit_message
 from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_step
 from simulator.costs.transfer import transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
+from simulator.costs.weight_sync import WeightSyncCost, weight_sync
 from simulator.plan import Plan, RolePlan
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, Node
 from simulator.specs.job import JobSpec
+from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -104,6 +106,9 @@ class PlanEstimate:
     tokens_per_iteration: float
     reasons: tuple[str, ...]
     """Why the plan is infeasible (empty when it is feasible)."""
+    weight_sync: WeightSyncCost | None = None
+    """Asynchronous plans: one sync of the actor's weights from the trainer to the rollout
+    set (after every update)."""
 
     @property
     def feasible(self) -> bool:
@@ -178,9 +183,10 @@ def host_copy_seconds(profile: DeviceProfile, how: HostCopy, nbytes: float,
 def offload_copy_seconds(job: JobSpec, role: str,
                          par: ParallelConfig) -> tuple[MemoryBreakdown, float, float]:
     """What the framework moves to host memory of a trained ``role`` while the rollout engine
-    runs on its GPUs, per GPU, and the seconds of moving it out and of bringing it back."""
+    runs on its GPUs, per GPU, and the seconds of moving it out and of bringing it back
+    (nothing when the actor generates elsewhere)."""
     offload = job.framework_profile.offload
-    if not offload.any or role not in job.dataflow.trained_roles:
+    if not offload.any or role not in job.dataflow.trained_roles or job.generation_elsewhere:
         return MemoryBreakdown(), 0.0, 0.0
     state, _ = role_state(job, role, par)
     moved = MemoryBreakdown(params=state.params if offload.params else 0.0,
@@ -244,12 +250,14 @@ def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: floa
 
 
 def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
-                                  gen: GenerationConfig) -> tuple[float, float]:
+                                  gen: GenerationConfig, *,
+                                  dedicated: bool = False) -> tuple[float, float]:
     """Per generation call, (sleep, wake): the rollout engine's sleep after generating and wake
     before it when the framework frees the KV cache between iterations, with the copy of its
-    weights to host and back at sleep level 1."""
+    weights to host and back at sleep level 1. A ``dedicated`` rollout set (asynchronous
+    modes) shares its GPUs with no training and never sleeps."""
     rollout = job.framework_profile.rollout
-    if not rollout.free_kv_cache:
+    if not rollout.free_kv_cache or dedicated:
         return 0.0, 0.0
     sleep, wake = rollout.sleep_seconds, rollout.wake_seconds
     weights = generation_weight_bytes(model, gen, job.workload.dtype)
@@ -294,8 +302,16 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                set_resident_bytes: float = 0.0, resident: MemoryBreakdown | None = None,
                freed_grads: float = 0.0, set_offload: MemoryBreakdown | None = None,
                set_offload_seconds: float = 0.0,
-               set_offload_out_seconds: float = 0.0) -> NodeEstimate:
+               set_offload_out_seconds: float = 0.0, dedicated: bool = False,
+               stream: bool = False) -> NodeEstimate:
     """Predict one node of a model role laid out as ``role_plan``.
+
+    ``dedicated``: the node generates on a rollout set of its own (no sleep and wake, no
+    training state beside it). ``stream``: responses stream through the engine without
+    draining (asynchronous mode with partial rollouts: a weight sync interrupts the responses
+    in flight and they resume after it), so the running batch stays full and a batch costs
+    what responses of the mean length cost; otherwise the batch's longest responses finish
+    alone at the end (the tail).
 
     Generation needs the colocated set's resident bytes per GPU (``set_resident_bytes``, all
     roles of the set) and the role's own resident state, because the KV cache gets what is left;
@@ -315,6 +331,9 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     model = job.model(role)
     par = role_plan.parallel
     value_head = role in VALUE_HEAD_ROLES
+    if node.operation == "generate" and job.generation_elsewhere:
+        return NodeEstimate(name=node.name, role=role, operation="generate", location=location,
+                            seconds=0.0, sequences=sequences, tokens=tokens)
     if node.operation == "generate":
         gen = role_plan.generation
         if gen is None:
@@ -326,6 +345,10 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
             set_offload_seconds = 0.0
         replicas = gen.replicas(par)
         lengths = generation_lengths(job, node, replicas)
+        if stream:
+            lengths = ReplicaBatch(
+                LengthDistribution.fixed(max(1, round(lengths.distribution.mean_tokens()))),
+                lengths.total_sequences, replicas)
         engine_weights = generation_weight_bytes(model, gen, dtype)
         extra_weights = extra_generation_weights(job, engine_weights, own.params)
         workspace = workspace_bytes(model, gen, dtype)
@@ -337,7 +360,7 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                         kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
                         cuda_graphs=rollout.cuda_graphs,
                         host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
-        sleep, wake = generation_sleep_wake_seconds(job, model, gen)
+        sleep, wake = generation_sleep_wake_seconds(job, model, gen, dedicated=dedicated)
         cycle = profile.overheads.operation_seconds + sleep + wake
         slowdown = host_slowdown(job, par.world_size)
         return NodeEstimate(
@@ -454,9 +477,13 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
                   transition_scheme: Scheme | None = None) -> PlanEstimate:
     """Predict every node of ``job``'s dataflow under ``plan`` (one iteration).
     ``transition_scheme`` overrides the framework's resharding scheme (to compare). On a
-    mixed cluster each set is priced on its own group's device and network."""
-    set_pools = tuple(job.cluster.pool_of(s.node_group) for s in plan.sets)
+    mixed cluster each set is priced on its own group's device and network. An asynchronous
+    plan generates on its rollout set (the location after the training sets), and its
+    trainer's GPUs neither reshard the actor nor hold a generation engine."""
+    located = plan.located_sets()
+    set_pools = tuple(job.cluster.pool_of(s.node_group) for s in located)
     views = [job.on_pool(pool) for pool in set_pools]
+    rollout_location = len(plan.sets) if plan.rollout is not None else None
     view_of = {r: views[i] for i, s in enumerate(plan.sets) for r in s.roles}
     dtype = job.workload.dtype
     dataflow = job.dataflow
@@ -467,17 +494,27 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     for role in job.gpu_roles:
         resident[role], freed_grads[role] = role_state(job, role, plan.roles[role].parallel)
     set_resident = [sum((resident[r] for r in s.roles), MemoryBreakdown()) for s in plan.sets]
-    offloads = {r: offload_state(view_of[r], r, plan.roles[r].parallel) for r in job.gpu_roles}
+    offloads = {r: offload_state(view_of[r], r, plan.roles[r].parallel)
+                if rollout_location is None else (MemoryBreakdown(), 0.0) for r in job.gpu_roles}
     set_offload = [sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
                    for s in plan.sets]
     set_offload_seconds = [sum(offloads[r][1] for r in s.roles) for s in plan.sets]
     set_offload_out_seconds = [sum(offload_copy_seconds(view_of[r], r, plan.roles[r].parallel)[1]
-                                   for r in s.roles) for s in plan.sets]
+                                   for r in s.roles) if rollout_location is None else 0.0
+                               for s in plan.sets]
 
     nodes: dict[str, NodeEstimate] = {}
     for node in dataflow.nodes:
         if node.role == CONTROLLER or node.role in job.rule_roles:
             nodes[node.name] = controller_node(job, node)
+            continue
+        if rollout_location is not None and node.operation == "generate":
+            estimate = rollout_node(views[rollout_location], node, plan,
+                                    location=rollout_location)
+            if not estimate.feasible:
+                reasons.append(f"{node.name}: {estimate.reason} (the rollout set of "
+                               f"{located[rollout_location].gpus} GPUs)")
+            nodes[node.name] = estimate
             continue
         location = plan.set_index(node.role)
         estimate = model_node(views[location], node, plan.roles[node.role], location=location,
@@ -496,7 +533,8 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
 
     # Set memory: resident state + the largest transient need.
     memory: list[SetMemory] = []
-    for i, s in enumerate(plan.sets):
+    set_resident.extend(MemoryBreakdown() for _ in located[len(plan.sets):])
+    for i, s in enumerate(located):
         worst = max((n for n in nodes.values() if n.location == i),
                     key=lambda n: n.transient.total - n.offloaded.total, default=None)
         peak = set_resident[i] + (worst.transient - worst.offloaded if worst
@@ -513,7 +551,11 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     actor_plan = plan.roles.get("actor")
     schemes: dict[str, TransitionCost] = {}
     chosen = None
-    if actor_plan is not None and actor_plan.generation is not None:
+    sync = None
+    if actor_plan is not None and rollout_location is not None:
+        sync = weight_sync_cost(job, plan)
+    elif actor_plan is not None and actor_plan.generation is not None \
+            and not job.generation_elsewhere:
         actor_view = view_of["actor"]
         schemes = compare_schemes(job.model("actor"), actor_view.cluster.profile(),
                                   actor_plan.parallel, actor_plan.generation, dtype=dtype,
@@ -532,4 +574,43 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     return PlanEstimate(nodes=nodes, transition=chosen, transition_schemes=schemes,
                         transfers=transfers, memory=tuple(memory),
                         tokens_per_iteration=job.workload.tokens_per_iteration(),
-                        reasons=tuple(reasons))
+                        reasons=tuple(reasons), weight_sync=sync)
+
+
+def rollout_plan(plan: Plan) -> RolePlan:
+    """The actor's generation replicas on an asynchronous plan's rollout set, as a layout: each
+    replica a tensor x pipeline group of the generation config, no training state."""
+    assert plan.rollout is not None
+    gen = plan.roles["actor"].generation
+    assert gen is not None
+    return RolePlan(parallel=ParallelConfig(tp=gen.tp, pp=gen.pp,
+                                            dp=plan.rollout.gpus // gen.model_parallel_size),
+                    generation=gen)
+
+
+def rollout_node(view: JobSpec, node: Node, plan: Plan, *, location: int) -> NodeEstimate:
+    """A generate node on the rollout set: a dedicated engine holding its whole weights;
+    responses stream without draining in async mode with partial rollouts."""
+    return model_node(view, node, rollout_plan(plan), location=location,
+                      resident=MemoryBreakdown(), dedicated=True,
+                      stream=plan.mode == "async" and plan.partial_rollout)
+
+
+def weight_sync_cost(job: JobSpec, plan: Plan) -> WeightSyncCost:
+    """One sync of the actor's weights from its training set to the rollout set, over the
+    link between them (NVLink when both lie in one node, else the inter-node network)."""
+    assert plan.rollout is not None
+    actor_set = plan.set_of("actor")
+    trainer_pool = job.cluster.pool_of(actor_set.node_group)
+    rollout_pool = job.cluster.pool_of(plan.rollout.node_group)
+    trainer_profile = job.on_pool(trainer_pool).cluster.profile()
+    gpn = trainer_pool.group.gpus_per_node
+    same_node = (trainer_pool.index == rollout_pool.index
+                 and actor_set.node_range(gpn) == plan.rollout.as_set().node_range(gpn)
+                 and actor_set.node_range(gpn)[0] == actor_set.node_range(gpn)[1])
+    link = trainer_profile if trainer_pool.index == rollout_pool.index else \
+        job.cluster.link_between(trainer_pool, rollout_pool)
+    return weight_sync(job.model("actor"), trainer_profile, link,
+                       plan.roles["actor"].parallel, rollout_gpus=plan.rollout.gpus,
+                       dtype=job.workload.dtype, crosses_nodes=not same_node,
+                       gpus_per_node=gpn)

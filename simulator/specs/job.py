@@ -165,6 +165,10 @@ class JobSpec:
     partial_rollout: bool = False
     """async: a weight sync interrupts the responses in flight, which continue with the new
     weights (verl's partial rollout) instead of draining before the sync."""
+    generation_elsewhere: bool = field(default=False, repr=False)
+    """Internal, never read from a job file: the actor generates on a rollout set of its own,
+    so the training GPUs hold no generation engine and do not reshard (the planner's view of
+    an asynchronous plan's trainer side)."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
