@@ -56,6 +56,9 @@ class Run:
     """iteration -> {greedy response length: count} (ReMax)."""
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     """iteration -> mean prompt length in tokens, where prompts differ (the user's data)."""
+    framework: str = EXECUTOR_FRAMEWORK
+    """The framework profile that ran it: this project's executor, or the job's framework for
+    a run read from another trainer's log (planner/verl_log.py)."""
 
     @property
     def label(self) -> str:
@@ -195,10 +198,10 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
     device = profile if isinstance(profile, str) else register_profile(profile)
     cluster = run.job.cluster
     group = replace(cluster.only_group(), device=device)
-    # The runs come from this project's executor: its behaviour, whatever framework the job
-    # was planned for.
+    # An executor run is this project's executor's behaviour, whatever framework the job was
+    # planned for; a verl log's is the job's framework.
     return replace(run.job, workload=workload, cluster=replace(cluster, node_groups=(group,)),
-                   framework=EXECUTOR_FRAMEWORK)
+                   framework=run.framework)
 
 
 def _rule_seconds_per_sample(run: Run, iteration: int) -> float | None:

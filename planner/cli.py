@@ -1071,6 +1071,38 @@ def _runs(paths: tuple[str, ...]) -> list[Any]:
     return [load_run(p) for p in paths]
 
 
+def _verl_options(f: Any) -> Any:
+    """--verl-log / --job / --plan: runs read from a verl trainer's metrics logs."""
+    for option in reversed((
+        click.option("--verl-log", "verl_logs", multiple=True,
+                     type=click.Path(dir_okay=False),
+                     help="A verl run's per-step metrics: its console output or its file "
+                          "logger's JSON lines (repeatable; see README 'Calibrate from verl "
+                          "logs')."),
+        click.option("--job", "--config", "verl_jobs", multiple=True,
+                     type=click.Path(dir_okay=False),
+                     help="The job file of the verl run (one for all logs or one per log)."),
+        click.option("--plan", "verl_plans", multiple=True, type=click.Path(dir_okay=False),
+                     help="The plan the verl run ran (one for all logs or one per log; "
+                          "default: the job's colocate plan, verl's default placement)."),
+    )):
+        f = option(f)
+    return f
+
+
+def _all_runs(paths: tuple[str, ...], logs: tuple[str, ...], jobs: tuple[str, ...],
+              plans: tuple[str, ...]) -> list[Any]:
+    """Executor run directories, then runs read from verl logs."""
+    from planner.verl_log import load_verl_runs
+
+    if not logs:
+        for option, given in (("--job", jobs), ("--plan", plans)):
+            if given:
+                raise SpecError("only used with --verl-log", key=option)
+        return _runs(paths)
+    return (_runs(paths) if paths else []) + load_verl_runs(logs, jobs, plans)
+
+
 @cli.command()
 @click.argument("runs", nargs=-1, type=click.Path(file_okay=False))
 @click.option("--profile", "profile_name", required=True,
@@ -1085,21 +1117,27 @@ def _runs(paths: tuple[str, ...]) -> list[Any]:
                    "is not written when it predicts these worse than the base profile.")
 @click.option("--skip", type=click.IntRange(min=0), default=1, show_default=True,
               help="Leading iterations of each run to ignore (start-up costs).")
+@_verl_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit: str | None,
-              held_out: tuple[str, ...], skip: int, as_json: bool) -> None:
-    """Fit a profile's free parameters to executor runs."""
+              held_out: tuple[str, ...], skip: int, verl_logs: tuple[str, ...],
+              verl_jobs: tuple[str, ...], verl_plans: tuple[str, ...], as_json: bool) -> None:
+    """Fit a profile's free parameters to executor runs or verl logs."""
     from planner.calibration import calibrate as fit_profile
+    from planner.verl_log import DEFAULT_FIT
     from profiles.device import resolve_profile_path, write_profile_file
 
     base = _load_device(profile_name)
-    result = fit_profile(_runs(runs), base, fit=fit.split(",") if fit else None, skip=skip,
+    loaded = _all_runs(runs, verl_logs, verl_jobs, verl_plans)
+    if not fit and verl_logs:
+        fit = ",".join(DEFAULT_FIT)
+    result = fit_profile(loaded, base, fit=fit.split(",") if fit else None, skip=skip,
                          name=Path(output).stem if output else None,
                          held_out=_runs(held_out) if held_out else ())
     path = Path(output) if output else resolve_profile_path(profile_name).with_name(
         f"{result.profile.name}.yaml")
     write_profile_file(result.profile, path,
-                       header=f"# Calibrated by `hybridflow calibrate` from {len(runs)} run(s).")
+                       header=f"# Calibrated by `hybridflow calibrate` from {len(loaded)} run(s).")
     summary = {"profile": str(path), "values": result.values,
                "residual_before": result.residual_before,
                "residual_after": result.residual_after, "rows": result.rows,
@@ -1116,7 +1154,7 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
         _emit_json(summary)
         return
     click.echo(f"fitted {len(result.values)} parameters on {result.rows} stage timings from "
-               f"{len(runs)} run(s): relative RMS error {result.residual_before:.1%} -> "
+               f"{len(loaded)} run(s): relative RMS error {result.residual_before:.1%} -> "
                f"{result.residual_after:.1%}")
     for key, value in result.values.items():
         bound = result.at_bounds.get(key)
@@ -1141,13 +1179,15 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
               help="Profile to predict with (default: the device in each run's job).")
 @click.option("--skip", type=click.IntRange(min=0), default=1, show_default=True,
               help="Leading iterations of each run to ignore (start-up costs).")
+@_verl_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def accuracy(runs: tuple[str, ...], profile_name: str | None, skip: int,
-             as_json: bool) -> None:
-    """The simulator's error on executor runs, per stage and per iteration."""
+             verl_logs: tuple[str, ...], verl_jobs: tuple[str, ...],
+             verl_plans: tuple[str, ...], as_json: bool) -> None:
+    """The simulator's error on executor runs or verl logs, per stage and per iteration."""
     from planner.calibration import accuracy as measure
 
-    loaded = _runs(runs)
+    loaded = _all_runs(runs, verl_logs, verl_jobs, verl_plans)
     device = profile_name or loaded[0].job.cluster.only_group().device
     result = measure(loaded, _load_device(device), skip=skip)
     if as_json:
