@@ -660,6 +660,19 @@ def _print_plan(result: Any, files: Any) -> None:
         click.echo(f"  {name:<11} {evaluated.plan.placement:<28} {gpus:<{width}} "
                    f"{evaluated.iteration_seconds:>9.2f} "
                    f"{evaluated.throughput_tokens_per_s:>10,.0f}{cost}")
+    if result.modes:
+        click.echo("modes (best plan of each; asynchronous ones at their steady state):")
+        click.echo(f"  {'mode':<14} {'staleness':>9} {'GPUs':<{width}} {'s/iter':>9} "
+                   f"{'tokens/s':>10}  allowed")
+        for m in result.modes:
+            e = m.result
+            if e is None:
+                click.echo(f"  {m.name:<14} {m.staleness:>9} {'-':<{width}} {'-':>9} "
+                           f"{'-':>10}  ({m.reason})")
+                continue
+            click.echo(f"  {m.name:<14} {m.staleness:>9} {gpus_label(e, job):<{width}} "
+                       f"{e.iteration_seconds:>9.2f} {e.throughput_tokens_per_s:>10,.0f}  "
+                       f"{'yes' if m.allowed else 'no (set mode: auto to allow)'}")
     if result.best is not None:
         click.echo(f"best plan: {result.best.plan.describe(job)}")
     click.echo(f"report: {files.report_html} (also report.md, plan.json, ranking.csv, "

@@ -9,10 +9,12 @@ from dataclasses import dataclass, replace
 from planner.objective import Ranking, plan_dollars_per_second, priced
 from planner.search import Candidate, Placement, Search, SearchOptions, SearchStats
 from planner.space import set_sizes
+from simulator.asynchronous import simulate_async
 from simulator.costs.memory import GIB, MemoryBreakdown
 from simulator.engine import SimulationResult, simulate_des
 from simulator.plan import Plan
 from simulator.predict import PlanEstimate, estimate_plan, role_state
+from simulator.specs.asynchrony import comparison_modes
 from simulator.specs.job import JobSpec
 
 STRATEGIES = ("colocate", "standalone", "split")
@@ -78,6 +80,19 @@ class StrategyOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class ModeOutcome:
+    """The best plan of one mode (sync-colocate, sync, one_step_off, async), side by side."""
+
+    name: str
+    """sync-colocate, sync, one_step_off or async."""
+    staleness: int
+    allowed: bool
+    """Whether the job lets the planner choose this mode."""
+    result: Evaluated | None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class PlanningResult:
     job: JobSpec
     best: Evaluated | None
@@ -86,6 +101,8 @@ class PlanningResult:
     stats: SearchStats
     search_seconds: float
     infeasible_reason: str = ""
+    modes: tuple[ModeOutcome, ...] = ()
+    """The best plan per mode (empty on a mixed cluster or for a given plan)."""
 
 
 def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iterations: int = 1,
@@ -99,7 +116,10 @@ def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iteration
         plan = replace(plan, strategy=strategy)
     plan.validate(job)
     estimate = estimate_plan(job, plan)
-    simulation = simulate_des(job, plan, estimate, iterations=iterations)
+    if plan.rollout is not None:
+        simulation = simulate_async(job, plan, estimate)
+    else:
+        simulation = simulate_des(job, plan, estimate, iterations=iterations)
     predicted = {
         "iteration_seconds": simulation.iteration_seconds,
         "throughput_tokens_per_s": simulation.throughput_tokens_per_s,
@@ -108,7 +128,8 @@ def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iteration
     dollars = None
     if priced(job):
         pay_for = (ranking or Ranking()).pay_for
-        rate = plan_dollars_per_second(job, [(s.node_group, s.gpus) for s in plan.sets], pay_for)
+        rate = plan_dollars_per_second(job, [(s.node_group, s.gpus)
+                                             for s in plan.located_sets()], pay_for)
         dollars = simulation.iteration_seconds * rate
         predicted["dollars_per_iteration"] = dollars
         predicted["paying_for"] = pay_for
@@ -162,6 +183,12 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
             strategies.append(StrategyOutcome(
                 name=name, placement=label,
                 result=evaluate(job, found.best, name, ranking=objective)))
+    modes: tuple[ModeOutcome, ...] = ()
+    if given is None and job.cluster.is_homogeneous:
+        colocate = next((o for o in strategies if o.name == "colocate"), None)
+        modes = compare_modes(job, options, ranking[0] if ranking else None,
+                              colocate.result if colocate else None)
+        ranking = choose_ranking(job, ranking, modes, objective)
     best = ranking[0] if ranking else None
     if best is None and given is not None:
         estimate = estimate_plan(job, given)
@@ -172,7 +199,50 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
         reason = "" if best else explain_infeasible(job, search)
     return PlanningResult(job=job, best=best, ranking=ranking, strategies=tuple(strategies),
                           stats=search.stats, search_seconds=search.stats.seconds,
-                          infeasible_reason=reason)
+                          infeasible_reason=reason, modes=modes)
+
+
+def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | None,
+                  colocate: Evaluated | None) -> tuple[ModeOutcome, ...]:
+    """The best plan of each mode side by side: sync-colocate (all models on all GPUs), the
+    searched sync plan, one_step_off and async (the job's staleness bound, or 1) on the best
+    split into trainer and rollout GPUs."""
+    from planner.asynchronous import search_async
+
+    allowed = {mode for mode, _ in job.allowed_modes}
+    out = [ModeOutcome(name="sync-colocate", staleness=0, allowed="sync" in allowed,
+                       result=colocate, reason="" if colocate else "does not fit"),
+           ModeOutcome(name="sync", staleness=0, allowed="sync" in allowed, result=best_sync,
+                       reason="" if best_sync else "no synchronous plan fits")]
+    for mode, staleness in comparison_modes(job.mode, job.max_staleness):
+        if mode == "sync":
+            continue
+        if "actor" not in job.dataflow.trained_roles:
+            continue
+        found = search_async(job, mode, staleness, options, top_k=1)
+        result = evaluate(job, None, mode, plan=found[0].plan, ranking=options.ranking) \
+            if found else None
+        out.append(ModeOutcome(
+            name=mode, staleness=staleness, allowed=mode in allowed, result=result,
+            reason="" if result else "no split into trainer and rollout GPUs fits"))
+    return tuple(out)
+
+
+def choose_ranking(job: JobSpec, ranking: tuple[Evaluated, ...], modes: tuple[ModeOutcome, ...],
+                   objective: Ranking) -> tuple[Evaluated, ...]:
+    """The ranking among the modes the job allows: the synchronous search's plans, and the best
+    plan of each allowed asynchronous mode, by the objective's value per iteration."""
+    allowed = {mode for mode, _ in job.allowed_modes}
+    entries = list(ranking) if "sync" in allowed else []
+    entries += [m.result for m in modes
+                if m.name in ("one_step_off", "async") and m.allowed and m.result is not None]
+
+    def value(e: Evaluated) -> float:
+        if objective.objective != "throughput" and e.dollars_per_iteration is not None:
+            return e.dollars_per_iteration
+        return e.iteration_seconds
+
+    return tuple(sorted(entries, key=value))
 
 
 def cheapest_meeting_deadline(results: list[PlanningResult],

@@ -31,10 +31,10 @@ class ReportFiles:
 
 def gpus_label(evaluated: Evaluated, job: JobSpec | None = None) -> str:
     """'16+8', or with each set's device on a mixed cluster: '16 h20+8 h100-80gb'."""
+    sets = evaluated.plan.located_sets()
     if job is None or job.cluster.is_homogeneous:
-        return "+".join(str(s.gpus) for s in evaluated.plan.sets)
-    return "+".join(f"{s.gpus} {job.cluster.device_of(s.node_group)}"
-                    for s in evaluated.plan.sets)
+        return "+".join(str(s.gpus) for s in sets)
+    return "+".join(f"{s.gpus} {job.cluster.device_of(s.node_group)}" for s in sets)
 
 
 def _configs(evaluated: Evaluated) -> str:
@@ -88,6 +88,27 @@ def strategies_table(result: PlanningResult) -> pd.DataFrame:
                                           if evaluated else None),
             "feasible": evaluated is not None,
             "reason": "" if evaluated else reason})
+    return pd.DataFrame(rows)
+
+
+def modes_table(result: PlanningResult) -> pd.DataFrame:
+    """The best plan of each mode side by side (steady-state seconds per step for the
+    asynchronous ones)."""
+    rows = []
+    for m in result.modes:
+        e = m.result
+        extra = e.simulation.extra if e is not None else {}
+        rows.append({
+            "mode": m.name, "staleness": m.staleness,
+            "allowed": "yes" if m.allowed else "no (job's mode)",
+            "plan": e.plan.describe(result.job) if e else "",
+            "gpus_per_set": gpus_label(e, result.job) if e else "",
+            "iteration_seconds": e.iteration_seconds if e else None,
+            "throughput_tokens_per_s": e.throughput_tokens_per_s if e else None,
+            "generation_seconds": extra.get("generation_seconds"),
+            "trainer_seconds": extra.get("trainer_seconds"),
+            "weight_sync_seconds": extra.get("weight_sync_seconds"),
+            "reason": "" if e else m.reason})
     return pd.DataFrame(rows)
 
 
@@ -243,7 +264,7 @@ def _why(result: PlanningResult) -> list[str]:
 
 def _sets_table(best: Evaluated, job: JobSpec) -> pd.DataFrame:
     rows = []
-    for s, memory in zip(best.plan.sets, best.estimate.memory, strict=True):
+    for s, memory in zip(best.plan.located_sets(), best.estimate.memory, strict=True):
         pool = job.cluster.pool_of(s.node_group)
         first, last = s.node_range(pool.group.gpus_per_node)
         rows.append({"set": s.label(), "gpus": s.gpus,
@@ -259,12 +280,16 @@ def _roles_table(best: Evaluated) -> pd.DataFrame:
     rows = []
     for role, rp in best.plan.roles.items():
         par = rp.parallel
+        generation = ""
+        if rp.generation is not None and best.plan.rollout is not None:
+            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp} on the rollout set "
+                          f"({best.plan.generation_replicas()} replicas)")
+        elif rp.generation is not None:
+            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp}, "
+                          f"micro-DP {rp.generation.micro_dp(par)}")
         rows.append({"role": role, "pp": par.pp, "tp": par.tp, "dp": par.dp,
                      "sharding": par.sharding, "micro_batch": par.micro_batch_size,
-                     "recompute": par.recompute,
-                     "generation": (f"tp {rp.generation.tp}, pp {rp.generation.pp}, "
-                                    f"micro-DP {rp.generation.micro_dp(par)}"
-                                    if rp.generation else "")})
+                     "recompute": par.recompute, "generation": generation})
     return pd.DataFrame(rows)
 
 
@@ -348,6 +373,8 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
            _markdown_table(strategies.drop(columns=["peak_memory_bytes_per_gpu"])), "",
            "### Seconds per operation", "", _markdown_table(stages.reset_index(
                names="operation")), "",
+           *(["## Synchronous and asynchronous modes", "", MODES_NOTE, "",
+              _markdown_table(modes_table(result)), ""] if result.modes else []),
            "## Ranking", "", _markdown_table(ranking), "",
            "## Search", "", *stats_lines, ""]
     write_text_atomic(out / "report.md", "\n".join(md))
@@ -380,7 +407,10 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     parts += [f"<li>{html.escape(line.lstrip('- ')).replace('**', '')}</li>" for line in why]
     parts += ["</ul><h2>Standard strategies</h2>", image(out / "throughput.png"),
               frame_html(strategies), "<h3>Seconds per operation</h3>",
-              frame_html(stages, index=True), "<h2>Ranking</h2>", frame_html(ranking),
+              frame_html(stages, index=True),
+              *([f"<h2>Synchronous and asynchronous modes</h2><p>{html.escape(MODES_NOTE)}</p>",
+                 frame_html(modes_table(result))] if result.modes else []),
+              "<h2>Ranking</h2>", frame_html(ranking),
               "<h2>Search</h2>", *(f"<p>{html.escape(s)}</p>" for s in stats_lines)]
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
              "color:#222}table{border-collapse:collapse;margin:1em 0;font-size:13px}"
@@ -393,6 +423,14 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     return ReportFiles(directory=out, plan=plan_path, report_md=out / "report.md",
                        report_html=out / "report.html", ranking_csv=out / "ranking.csv",
                        strategies_csv=out / "strategies.csv", figures=tuple(pngs))
+
+
+MODES_NOTE = ("sync-colocate: every model on every GPU; sync: the searched synchronous "
+              "plan; one_step_off and async: the best split into trainer and rollout GPUs, "
+              "timed at the steady state (seconds per step once the pipeline is full: the "
+              "busier of the rollout set, generation + weight sync, and the trainer). "
+              "Asynchronous steps train on batches generated by a policy up to 'staleness' "
+              "updates old.")
 
 
 def plan_json(result: PlanningResult) -> dict:
@@ -425,6 +463,15 @@ def plan_json(result: PlanningResult) -> dict:
                      "dollars_per_iteration": e.dollars_per_iteration,
                      "tokens_per_dollar": e.tokens_per_dollar}
                     for e in result.ranking],
+        "modes": [
+            {"mode": m.name, "staleness": m.staleness, "allowed": m.allowed,
+             "plan": m.result.plan.describe(result.job) if m.result else None,
+             "iteration_seconds": m.result.iteration_seconds if m.result else None,
+             "throughput_tokens_per_s": m.result.throughput_tokens_per_s if m.result else None,
+             "weight_sync_seconds": (m.result.simulation.extra.get("weight_sync_seconds")
+                                     if m.result else None),
+             "reason": m.reason}
+            for m in result.modes],
         "search_seconds": result.search_seconds,
         "candidates_evaluated": result.stats.candidates_evaluated,
         "feasible": best is not None,

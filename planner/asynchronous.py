@@ -1,0 +1,114 @@
+"""Planning asynchronous modes: split the cluster into a trainer and a rollout set and pick
+the split, the trainer's placement and the rollout's generation layout.
+
+The two sides meet only through the steady-state step, max(G + S, T_s)
+(``simulator.asynchronous.steady_step_seconds``): the rollout's generation per batch G, the
+weight sync S and the trainer's makespan T_s. So for each rollout size the trainer side is the
+ordinary search (Algorithm 1) on the remaining GPUs with the actor's generation priced
+elsewhere (``JobSpec.generation_elsewhere``), the rollout side a sweep over its generation
+tensor-parallel sizes, and the candidates are ranked by the simulated steady-state step.
+
+Rollout sizes: whole nodes on a multi-node cluster (the trainer keeps whole nodes, so its
+sets keep the node rules of a synchronous plan), powers of two below the node size on one
+node. A mixed cluster is not split here (one line says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from planner.search import Search, SearchOptions
+from planner.space import _powers_of_two
+from profiles.datafile import SpecError
+from simulator.asynchronous import steady_step_seconds
+from simulator.plan import Plan, RolePlan, RolloutSet
+from simulator.predict import estimate_plan
+from simulator.specs.asynchrony import Mode
+from simulator.specs.job import JobSpec
+from simulator.specs.parallel import GenerationConfig
+
+MAX_ROLLOUT_SIZES = 8
+"""Rollout sizes tried on a large cluster (spread geometrically over the node counts)."""
+TRAINER_FINALISTS = 3
+"""Trainer plans per rollout size carried to the combined ranking (the search's best few:
+their sync costs differ with the actor's layout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncCandidate:
+    """One asynchronous plan with its closed-form steady-state step."""
+
+    plan: Plan
+    step_seconds: float
+    rollout_gpus: int
+
+
+def rollout_sizes(total_gpus: int, gpus_per_node: int) -> list[int]:
+    """GPU counts the rollout set may take (leaving the trainer at least one GPU)."""
+    if total_gpus <= gpus_per_node:
+        return [r for r in _powers_of_two(total_gpus - 1) if total_gpus - r >= 1]
+    nodes = total_gpus // gpus_per_node
+    counts = list(range(1, nodes))
+    if len(counts) > MAX_ROLLOUT_SIZES:
+        picks = {round(nodes ** (i / (MAX_ROLLOUT_SIZES - 1))) for i in range(MAX_ROLLOUT_SIZES)}
+        counts = sorted(c for c in picks if 1 <= c < nodes)
+    return [c * gpus_per_node for c in counts]
+
+
+def rollout_layouts(job: JobSpec, gpus: int) -> list[GenerationConfig]:
+    """Generation layouts of the rollout set: tensor-parallel sizes within a node that divide
+    the heads and the set, at the job's engine settings."""
+    model = job.model("actor")
+    gpn = job.cluster.gpus_per_node
+    pin = job.parallel.get("actor")
+    seqs, utilization = job.rollout_defaults()
+    out = []
+    for tp in _powers_of_two(min(gpn, gpus)):
+        if model.heads % tp or gpus % tp or (pin and pin.generation_tp not in (None, tp)):
+            continue
+        out.append(GenerationConfig(tp=tp, pp=1, max_num_seqs=seqs,
+                                    memory_utilization=utilization))
+    return out
+
+
+def search_async(job: JobSpec, mode: Mode, staleness: int,
+                 options: SearchOptions | None = None,
+                 top_k: int = 5) -> list[AsyncCandidate]:
+    """The best ``mode`` plans (staleness ``staleness``) by steady-state step, best first."""
+    if not job.cluster.is_homogeneous:
+        raise SpecError("asynchronous modes are planned on one node group; plan the mixed "
+                        "cluster with mode: sync", key="mode")
+    options = options or SearchOptions()
+    partial_rollout = job.partial_rollout and mode == "async"
+    total = job.cluster.total_gpus
+    gpn = job.cluster.gpus_per_node
+    found: list[AsyncCandidate] = []
+    for rollout_gpus in rollout_sizes(total, gpn):
+        trainer_cluster = job.cluster.with_total_gpus(total - rollout_gpus)
+        trainer_job = replace(job, cluster=trainer_cluster, generation_elsewhere=True)
+        result = Search(trainer_job, options).run(top_k=TRAINER_FINALISTS)
+        layouts = rollout_layouts(job, rollout_gpus)
+        for candidate in result.ranking:
+            trainer_plan = candidate.to_plan(trainer_job)
+            for gen in layouts:
+                roles = dict(trainer_plan.roles)
+                actor = roles["actor"]
+                roles["actor"] = RolePlan(parallel=actor.parallel, generation=gen,
+                                          training_backend=actor.training_backend)
+                plan = Plan(algorithm=job.algorithm, sets=trainer_plan.sets, roles=roles,
+                            strategy=mode, mode=mode, max_staleness=staleness,
+                            partial_rollout=partial_rollout,
+                            rollout=RolloutSet(gpus=rollout_gpus,
+                                               first_gpu=total - rollout_gpus))
+                try:
+                    plan.validate(job)
+                except SpecError:
+                    continue
+                estimate = estimate_plan(job, plan)
+                if not estimate.feasible:
+                    continue
+                found.append(AsyncCandidate(plan=plan,
+                                            step_seconds=steady_step_seconds(job, estimate),
+                                            rollout_gpus=rollout_gpus))
+    found.sort(key=lambda c: (c.step_seconds, c.rollout_gpus, c.plan.describe()))
+    return found[:top_k]
