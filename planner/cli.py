@@ -1313,6 +1313,9 @@ def list_(what: str) -> None:
             click.echo(f"{name:<10} roles: {', '.join(dataflow.roles):<32} {dataflow.description}")
 
 
+cli.add_command(__import__("planner.export.command", fromlist=["export"]).export)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: runs the CLI and turns input errors into one-line messages."""
     try:

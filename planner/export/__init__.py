@@ -1,0 +1,103 @@
+"""Export a plan to the configuration of widely used RLHF trainers (verl, OpenRLHF).
+
+An export reads a plan (and the job it embeds) and writes what a user needs to launch that
+plan with the other framework: a file of arguments, one per line, exactly as passed on the
+command line, and a runnable shell script that passes them. It never imports the search, and
+it never changes the plan: a placement or layout the framework cannot express by its
+configuration is refused with one line naming the part of the plan (a SpecError with a key).
+
+Both targets read their own files back (``parse_*``) into a :class:`Layout`, the placement
+and parallel sizes, so the tests can check that an export round-trips.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from profiles.datafile import SpecError, write_text_atomic
+from simulator.plan import Plan
+from simulator.specs.job import JobSpec
+
+TARGETS = ("verl", "openrlhf")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What an export must carry over: which roles share GPUs, how many GPUs each group has,
+    each role's training (tp, pp, dp), the actor's generation (tp, pp) and the rollout GPUs."""
+
+    sets: frozenset[tuple[frozenset[str], int]]
+    """(roles, GPUs) of each colocated set."""
+    parallel: tuple[tuple[str, tuple[int, int, int]], ...]
+    """(role, (tp, pp, dp)), sorted by role."""
+    generation: tuple[int, int]
+    """The actor's generation (tp, pp)."""
+    rollout_gpus: int
+    """GPUs of the rollout set (0: the actor generates on its training GPUs)."""
+    mode: str
+    """sync, one_step_off or async."""
+    max_staleness: int
+    partial_rollout: bool
+
+
+def plan_layout(plan: Plan) -> Layout:
+    """The layout a plan asks for."""
+    gen = plan.roles["actor"].generation
+    assert gen is not None
+    return Layout(
+        sets=frozenset((frozenset(s.roles), s.gpus) for s in plan.sets),
+        parallel=tuple(sorted((role, (rp.parallel.tp, rp.parallel.pp, rp.parallel.dp))
+                              for role, rp in plan.roles.items())),
+        generation=(gen.tp, gen.pp),
+        rollout_gpus=plan.rollout.gpus if plan.rollout is not None else 0,
+        mode=plan.mode, max_staleness=plan.max_staleness,
+        partial_rollout=plan.partial_rollout)
+
+
+def nodes_of(gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a set of ``gpus``: part of one node, or whole nodes (the
+    plan's own rule for a set's shape)."""
+    if gpus <= gpus_per_node:
+        return 1, gpus
+    return gpus // gpus_per_node, gpus_per_node
+
+
+def set_key(plan: Plan, roles: tuple[str, ...]) -> str:
+    """'sets[i]' of the set holding the first of ``roles``."""
+    return f"sets[{plan.set_index(roles[0])}]"
+
+
+def export_files(plan: Plan, job: JobSpec, target: str, *, plan_name: str = "plan.json"
+                 ) -> dict[str, str]:
+    """File name -> text of the export of ``plan`` to ``target`` (raises SpecError, naming
+    the part of the plan, when the framework cannot express it)."""
+    if target == "verl":
+        from planner.export.verl import verl_files
+
+        return verl_files(plan, job, plan_name=plan_name)
+    if target == "openrlhf":
+        from planner.export.openrlhf import openrlhf_files
+
+        return openrlhf_files(plan, job, plan_name=plan_name)
+    raise SpecError(f"unknown target {target!r} (choose {' or '.join(TARGETS)})", key="--to")
+
+
+def write_files(out_dir: str | Path, files: dict[str, str]) -> list[Path]:
+    """Write each file atomically; shell scripts are made executable."""
+    written = []
+    for name, text in files.items():
+        path = Path(out_dir) / name
+        write_text_atomic(path, text)
+        if name.endswith(".sh"):
+            os.chmod(path, path.stat().st_mode | 0o111)
+        written.append(path)
+    return written
+
+
+def read_argument_lines(text: str) -> list[str]:
+    """The arguments of an exported argument file: one per line, blank lines and '#'
+    comments skipped."""
+    return [line for line in (raw.strip() for raw in text.splitlines())
+            if line and not line.startswith("#")]

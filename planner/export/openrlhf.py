@@ -1,0 +1,218 @@
+"""Export a plan to OpenRLHF 0.11 (arguments of ``openrlhf.cli.train_ppo_ray``).
+
+What OpenRLHF 0.11 can place by its arguments (``openrlhf/cli/train_ppo_ray.py``, ``train``):
+each of actor, reference, critic and reward gets ``--ROLE.num_nodes`` x
+``--ROLE.num_gpus_per_node`` GPUs of its own; ``--train.colocate_actor_ref`` and
+``--train.colocate_critic_reward`` put those pairs on one placement group;
+``--train.colocate_all`` puts every model on one, and, in synchronous training, the vLLM
+engines too (the only way the actor generates on its own GPUs). vLLM engines not colocated
+get GPUs of their own (``--vllm.num_engines`` x ``--vllm.tensor_parallel_size``), which is
+the rollout set of ``--train.async_enable``. Training is DeepSpeed with one ZeRO stage and one
+AutoTP size for every model (``--ds.*``), no pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from planner.export import Layout, nodes_of, read_argument_lines, set_key
+from planner.export.verl import model_path
+from profiles.datafile import SpecError
+from simulator.plan import Plan
+from simulator.specs.job import RULE, JobSpec
+
+OPENRLHF_VERSION = "0.11.2"
+"""The OpenRLHF release the arguments are written for (and tested against)."""
+ARGS_FILE = "openrlhf_args.txt"
+SCRIPT_FILE = "run_openrlhf.sh"
+MODULE = "openrlhf.cli.train_ppo_ray"
+ESTIMATOR = {"ppo": "gae", "grpo": "group_norm"}
+"""Our algorithm -> ``--algo.advantage.estimator`` (OpenRLHF has no ReMax: its baselines are
+group means, not a greedy response)."""
+ZERO_STAGE = {"none": 0, "optimizer": 1, "fsdp": 3}
+"""Our sharding -> DeepSpeed ZeRO stage of the trained models."""
+PAIRS = {frozenset({"actor", "ref"}): "--train.colocate_actor_ref",
+         frozenset({"critic", "reward"}): "--train.colocate_critic_reward"}
+
+
+def _placement_flags(plan: Plan, job: JobSpec) -> list[str]:
+    roles = set(job.gpu_roles)
+    if plan.rollout is None:
+        if len(plan.sets) == 1:
+            return ["--train.colocate_all"]
+        other = next(s for s in plan.sets if "actor" not in s.roles)
+        raise SpecError("OpenRLHF 0.11 generates on the actor's GPUs only with "
+                        "--train.colocate_all (every model on one set); this plan puts "
+                        f"{other.label()} apart from the actor", key=set_key(plan, other.roles))
+    if len(plan.sets) == 1:
+        return ["--train.colocate_all"]  # async: colocates the DeepSpeed models only
+    flags = []
+    for s in plan.sets:
+        group = frozenset(s.roles)
+        if len(group) == 1:
+            continue
+        if group in PAIRS:
+            flags.append(PAIRS[group])
+            continue
+        raise SpecError(f"OpenRLHF 0.11 colocates only actor+ref, critic+reward or every model; "
+                        f"this set holds {s.label()}", key=set_key(plan, s.roles))
+    assert roles == {r for s in plan.sets for r in s.roles}
+    return flags
+
+
+def _deepspeed(plan: Plan) -> list[str]:
+    """One ZeRO stage and one AutoTP size for every model."""
+    for role, rp in plan.roles.items():
+        if rp.parallel.pp > 1:
+            raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no pipeline parallelism "
+                            f"({role}: {rp.parallel.short()})", key=f"roles.{role}.parallel.pp")
+    tps = {role: rp.parallel.tp for role, rp in plan.roles.items()}
+    if len(set(tps.values())) > 1:
+        shown = ", ".join(f"{r} tp={t}" for r, t in tps.items())
+        raise SpecError(f"OpenRLHF 0.11 uses one --ds.tensor_parallel_size for every model; the "
+                        f"plan has {shown}", key="roles")
+    trained = {r: plan.roles[r].parallel.sharding for r in ("actor", "critic") if r in plan.roles}
+    if len(set(trained.values())) > 1:
+        shown = ", ".join(f"{r} {s}" for r, s in trained.items())
+        raise SpecError(f"OpenRLHF 0.11 uses one --ds.zero_stage for every trained model; the "
+                        f"plan has {shown}", key="roles")
+    stage = ZERO_STAGE[trained["actor"]]
+    # Frozen models run DeepSpeed inference: ZeRO-3 when training uses it, else whole copies.
+    frozen = "fsdp" if stage == 3 else "none"
+    for role, rp in plan.roles.items():
+        if role not in trained and rp.parallel.sharding != frozen:
+            raise SpecError(f"OpenRLHF 0.11 shards frozen models only with ZeRO-3 training "
+                            f"(--ds.zero_stage={stage}); {role} has sharding "
+                            f"{rp.parallel.sharding}, expected {frozen}",
+                            key=f"roles.{role}.parallel.sharding")
+    return [f"--ds.zero_stage={stage}", f"--ds.tensor_parallel_size={tps['actor']}"]
+
+
+def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
+    """The arguments of ``train_ppo_ray`` for ``plan``; SpecError if OpenRLHF 0.11 cannot
+    express it."""
+    if job.algorithm not in ESTIMATOR:
+        raise SpecError(f"OpenRLHF 0.11 has no {job.algorithm} trainer (estimators: gae and "
+                        "group baselines; no ReMax greedy baseline, no cost model)",
+                        key="algorithm")
+    flags = _placement_flags(plan, job)
+    if any(s.node_group for s in plan.located_sets()):
+        raise SpecError("OpenRLHF 0.11 sizes every group in nodes of one kind; the plan uses "
+                        "several node groups", key="sets")
+    gpn = job.cluster.node_groups[0].gpus_per_node
+    work = job.workload
+    actor = plan.roles["actor"]
+    gen = actor.generation
+    assert gen is not None
+    if gen.pp > 1:
+        raise SpecError(f"OpenRLHF 0.11's vLLM engines have no pipeline parallelism "
+                        f"(generation pp={gen.pp})", key="roles.actor.generation.pp")
+    out: list[str] = []
+    for role in job.gpu_roles:
+        nodes, per_node = nodes_of(plan.set_of(role).gpus, gpn)
+        out += [f"--{role}.num_nodes={nodes}", f"--{role}.num_gpus_per_node={per_node}"]
+    out += flags
+    out += _deepspeed(plan)
+    sequences = work.sequences_per_iteration
+    if sequences % work.mini_batches_per_epoch:
+        raise SpecError(f"{sequences} sequences do not split into {work.mini_batches_per_epoch} "
+                        "equal mini-batches (--train.batch_size)",
+                        key="job.workload.mini_batches_per_epoch")
+    generating_gpus = plan.rollout.gpus if plan.rollout is not None else plan.set_of("actor").gpus
+    out += [
+        f"--algo.advantage.estimator={ESTIMATOR[job.algorithm]}",
+        f"--actor.model_name_or_path={model_path(job, 'actor')}",
+        f"--rollout.batch_size={work.prompts_per_iteration}",
+        f"--rollout.n_samples_per_prompt={work.samples_per_prompt}",
+        f"--train.batch_size={sequences // work.mini_batches_per_epoch}",
+        f"--train.max_epochs={work.ppo_epochs}",
+        f"--train.micro_batch_size={actor.parallel.micro_batch_size}",
+        f"--rollout.micro_batch_size={work.infer_micro_batch_size}",
+        f"--data.max_len={work.max_sequence_tokens}",
+        f"--rollout.max_new_tokens={work.response_length.max_tokens}",
+        f"--vllm.num_engines={generating_gpus // gen.tp}",
+        f"--vllm.tensor_parallel_size={gen.tp}",
+        f"--vllm.gpu_memory_utilization={gen.memory_utilization:g}",
+    ]
+    if job.algorithm == "grpo":
+        out += ["--algo.kl.use_loss", "--algo.kl.estimator=k3"]
+    if "critic" in plan.roles:
+        out.append(f"--critic.model_name_or_path={model_path(job, 'critic')}")
+    if job.models.get("reward") == RULE:
+        if job.reward_function is None:
+            raise SpecError("OpenRLHF 0.11 scores with a reward model, a remote URL or a Python "
+                            "reward file; this job's rule reward names no file",
+                            key="job.models.reward")
+        out.append(f"--reward.remote_url={job.reward_function.path}")
+    else:
+        out.append(f"--reward.model_name_or_path={model_path(job, 'reward')}")
+    if plan.rollout is None:
+        out += ["--vllm.enable_sleep", "--ds.enable_sleep"]
+    else:
+        out += ["--train.async_enable", f"--train.async_queue_size={plan.max_staleness}"]
+        if plan.partial_rollout:
+            out.append("--train.partial_rollout_enable")
+    return out
+
+
+def openrlhf_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json") -> dict[str, str]:
+    args = openrlhf_args(plan, job)
+    script = f"""#!/usr/bin/env bash
+# Runs {plan_name} ({plan.strategy or 'plan'}: {plan.describe()}, mode {plan.mode_label()})
+# with OpenRLHF {OPENRLHF_VERSION}. Written by `hybridflow export --to openrlhf`.
+# Extra arguments after the script's name come last and win, e.g.
+#   bash {SCRIPT_FILE} --actor.model_name_or_path=/ckpt/actor --data.prompt_dataset=/data/prompts
+# Start Ray on the nodes first (`ray start`); OpenRLHF's placement groups land on them.
+set -euo pipefail
+here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+mapfile -t args < <(grep -v '^[[:space:]]*$' "$here/{ARGS_FILE}")
+exec python3 -m {MODULE} "${{args[@]}}" "$@"
+"""
+    return {ARGS_FILE: "\n".join(args) + "\n", SCRIPT_FILE: script}
+
+
+# ----- reading an export back -----
+
+
+def parse_openrlhf_args(text: str) -> dict[str, str | bool]:
+    """'--key=value' -> {key: value}; a bare flag -> {key: True}."""
+    values: dict[str, str | bool] = {}
+    for line in read_argument_lines(text):
+        words = shlex.split(line)
+        if len(words) != 1 or not words[0].startswith("--"):
+            raise SpecError(f"not one argument: {line!r}", source=ARGS_FILE)
+        key, sep, value = words[0][2:].partition("=")
+        values[key] = value if sep else True
+    return values
+
+
+def openrlhf_layout(text: str, roles: tuple[str, ...]) -> Layout:
+    """The placement and parallel sizes an exported OpenRLHF launch runs (``roles``: the
+    GPU roles of the job), read only from the exported arguments."""
+    v = parse_openrlhf_args(text)
+
+    def gpus(role: str) -> int:
+        return int(v[f"{role}.num_nodes"]) * int(v[f"{role}.num_gpus_per_node"])
+
+    is_async = bool(v.get("train.async_enable"))
+    if v.get("train.colocate_all"):
+        groups = [frozenset(roles)]
+    else:
+        groups = []
+        placed: set[str] = set()
+        for pair, flag in PAIRS.items():
+            if v.get(flag[2:]) and pair <= set(roles):
+                groups.append(pair)
+                placed |= pair
+        groups += [frozenset({r}) for r in roles if r not in placed]
+    sets = frozenset((g, gpus(next(iter(sorted(g))))) for g in groups)
+    tp = int(v["ds.tensor_parallel_size"])
+    parallel = tuple(sorted((r, (tp, 1, gpus(r) // tp)) for r in roles))
+    gen_tp = int(v["vllm.tensor_parallel_size"])
+    return Layout(
+        sets=sets, parallel=parallel, generation=(gen_tp, 1),
+        rollout_gpus=int(v["vllm.num_engines"]) * gen_tp if is_async else 0,
+        mode=("one_step_off" if int(v["train.async_queue_size"]) == 1
+              and not v.get("train.partial_rollout_enable") else "async") if is_async else "sync",
+        max_staleness=int(v["train.async_queue_size"]) if is_async else 0,
+        partial_rollout=bool(v.get("train.partial_rollout_enable")))

@@ -1,0 +1,313 @@
+"""Export a plan to verl 0.9 (Hydra overrides for ``verl.trainer.main_ppo`` and its
+asynchronous trainers).
+
+What verl 0.9 can place by configuration (``verl/trainer/ppo/v1/trainer_base.py``,
+``_init_resource_pool_mgr``): actor, rollout, reference and critic on one global pool
+(``trainer.nnodes`` x ``trainer.n_gpus_per_node``); the reward model on the global pool or on
+a pool of its own (``reward.reward_model.enable_resource_pool``); in the asynchronous trainers
+(``verl.experimental.one_step_off_policy.main_ppo``, ``verl.experimental.fully_async_policy.
+fully_async_main``) a rollout-only pool (``rollout.nnodes`` x ``rollout.n_gpus_per_node``)
+beside the trainer pool. Any other placement (a critic or reference on GPUs of its own) would
+need a patched trainer, so it is refused in one line. One engine family serves every trained
+model (``ppo_trainer``: FSDP; ``ppo_megatron_trainer``: Megatron); the reward model runs on an
+inference engine (``reward.reward_model.rollout``).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from planner.export import Layout, nodes_of, read_argument_lines, set_key
+from profiles.datafile import SpecError
+from simulator.plan import Plan, RolePlan
+from simulator.specs.job import RULE, JobSpec
+
+VERL_VERSION = "0.9.1"
+"""The verl release the overrides are written for (and tested against)."""
+OVERRIDES_FILE = "verl_overrides.txt"
+SCRIPT_FILE = "run_verl.sh"
+
+ENTRY = {
+    "sync": "verl.trainer.main_ppo",
+    "one_step_off": "verl.experimental.one_step_off_policy.main_ppo",
+    "async": "verl.experimental.fully_async_policy.fully_async_main",
+}
+"""verl's entry point per mode."""
+CONFIG = {
+    ("sync", "fsdp"): "ppo_trainer",
+    ("sync", "megatron"): "ppo_megatron_trainer",
+    ("one_step_off", "fsdp"): "one_step_off_ppo_trainer",
+    ("one_step_off", "megatron"): "one_step_off_ppo_megatron_trainer",
+    ("async", "fsdp"): "fully_async_ppo_trainer",
+    ("async", "megatron"): "fully_async_ppo_megatron_trainer",
+}
+"""verl's Hydra config per (mode, engine)."""
+SEARCHPATH = "hydra.searchpath=[pkg://verl.trainer.config]"
+"""The one-step-off config finds verl's base config by a path relative to a source checkout
+(``file://verl/trainer/config``); with verl installed from the registry it needs this."""
+ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
+"""Our algorithm -> verl's ``algorithm.adv_estimator``."""
+
+
+def _engine(plan: Plan, job: JobSpec) -> str:
+    """fsdp or megatron: verl 0.9 runs actor, reference and critic on one engine family, so
+    the layouts must agree on it (tensor or pipeline parallelism and the distributed
+    optimizer need Megatron; FSDP sharding needs FSDP)."""
+    megatron = [r for r in ("actor", "critic", "ref") if r in plan.roles and (
+        plan.roles[r].parallel.tp > 1 or plan.roles[r].parallel.pp > 1
+        or plan.roles[r].parallel.sharding == "optimizer")]
+    fsdp = [r for r in ("actor", "critic", "ref") if r in plan.roles
+            and plan.roles[r].parallel.sharding == "fsdp"]
+    if megatron and fsdp:
+        raise SpecError(f"verl 0.9 runs actor, reference and critic on one engine: "
+                        f"{plan.roles[megatron[0]].parallel.short()} of {megatron[0]} needs "
+                        f"Megatron, {plan.roles[fsdp[0]].parallel.short()} of {fsdp[0]} FSDP",
+                        key=f"roles.{fsdp[0]}.parallel")
+    return "megatron" if megatron else "fsdp"
+
+
+def _check_placement(plan: Plan, job: JobSpec) -> None:
+    """Global pool = the actor's set; the reward model may have a set of its own; nothing
+    else can be placed by configuration."""
+    actor_set = plan.set_of("actor")
+    for s in plan.sets:
+        if s is actor_set:
+            continue
+        if s.roles != ("reward",):
+            raise SpecError(f"verl 0.9 places actor, rollout, reference and critic on one "
+                            f"global pool (only the reward model may have its own): this set "
+                            f"puts {s.label()} apart from the actor", key=set_key(plan, s.roles))
+    if plan.rollout is not None and "reward" in actor_set.roles:
+        raise SpecError("verl 0.9's asynchronous trainers do not colocate the reward model "
+                        "with the trainer (reward.reward_model.enable_resource_pool=True is "
+                        "required): give the reward model a set of its own",
+                        key=set_key(plan, actor_set.roles))
+    if (plan.rollout is not None and plan.rollout.node_group != actor_set.node_group) or any(
+            s.node_group != actor_set.node_group for s in plan.sets):
+        raise SpecError("verl 0.9 assumes one kind of node (trainer.n_gpus_per_node); the plan "
+                        "uses several node groups", key="sets")
+
+
+def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key: str
+                 ) -> list[str]:
+    par = rp.parallel
+    key = f"roles.{role}.parallel"
+    if engine == "fsdp":
+        if par.tp > 1 or par.pp > 1:
+            raise SpecError(f"verl 0.9's FSDP engine has no tensor or pipeline parallelism "
+                            f"({role}: {par.short()}); train it with Megatron (training_backend: "
+                            "megatron)", key=key)
+        # fsdp_size: the sharding group; 1 keeps whole replicas (plain data parallelism).
+        return [f"{prefix}.{fsdp_key}.fsdp_size={par.dp if par.sharding == 'fsdp' else 1}"]
+    if par.sharding == "fsdp":
+        raise SpecError(f"verl 0.9's Megatron engine shards optimizer states, not FSDP-style "
+                        f"({role}: {par.short()})", key=f"{key}.sharding")
+    return [
+        f"{prefix}.megatron.tensor_model_parallel_size={par.tp}",
+        f"{prefix}.megatron.pipeline_model_parallel_size={par.pp}",
+        f"{prefix}.megatron.virtual_pipeline_model_parallel_size="
+        f"{par.vpp if par.vpp > 1 else 'null'}",
+        f"{prefix}.megatron.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",
+        f"{prefix}.megatron.use_distributed_optimizer={_bool(par.sharding == 'optimizer')}",
+    ]
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def model_path(job: JobSpec, role: str) -> str:
+    """The checkpoint the job names for ``role``, else a placeholder to replace
+    (``models/NAME``), which an extra override after the script's own replaces."""
+    if role in job.model_paths:
+        return job.model_paths[role]
+    return f"models/{job.model(role).name}"
+
+
+def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
+    """(entry module, config name, overrides) for ``plan``; SpecError if verl 0.9 cannot
+    express it."""
+    if job.algorithm not in ESTIMATOR:
+        raise SpecError(f"verl 0.9 has no {job.algorithm} trainer (estimators: gae, grpo, "
+                        "remax; no cost model)", key="algorithm")
+    _check_placement(plan, job)
+    engine = _engine(plan, job)
+    work = job.workload
+    mode = plan.mode
+    gpn = job.cluster.pool_of(plan.set_of("actor").node_group).group.gpus_per_node
+    out: list[str] = []
+    if mode == "one_step_off":
+        out.append(SEARCHPATH)
+    nodes, per_node = nodes_of(plan.set_of("actor").gpus, gpn)
+    out += [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={per_node}"]
+
+    # Batch: verl counts train_batch_size and ppo_mini_batch_size in prompts (times rollout.n
+    # responses each); the plan splits prompts x samples into mini_batches_per_epoch.
+    prompts, mini = work.prompts_per_iteration, work.mini_batches_per_epoch
+    if prompts % mini:
+        raise SpecError(f"{prompts} prompts do not split into {mini} mini-batches of whole "
+                        "prompts (verl's ppo_mini_batch_size counts prompts)",
+                        key="job.workload.mini_batches_per_epoch")
+    actor = plan.roles["actor"]
+    gen = actor.generation
+    assert gen is not None
+    out += [
+        f"algorithm.adv_estimator={ESTIMATOR[job.algorithm]}",
+        f"data.train_batch_size={prompts}",
+        f"data.max_prompt_length={work.prompt_length}",
+        f"data.max_response_length={work.response_length.max_tokens}",
+        f"actor_rollout_ref.model.path={model_path(job, 'actor')}",
+        f"actor_rollout_ref.actor.strategy={engine}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts // mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.parallel.micro_batch_size}",
+        f"actor_rollout_ref.actor.ppo_epochs={work.ppo_epochs}",
+    ]
+    out += _role_layout("actor", actor, engine, "actor_rollout_ref.actor", fsdp_key="fsdp_config")
+    # The reference pass is what makes verl build a reference worker: a KL loss (GRPO) or a
+    # KL penalty in the reward (PPO, ReMax).
+    if "ref" in plan.roles:
+        out.append("actor_rollout_ref.actor.use_kl_loss=true" if job.algorithm == "grpo"
+                   else "algorithm.use_kl_in_reward=true")
+        ref = plan.roles["ref"]
+        out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
+                   f"{ref.parallel.micro_batch_size}")
+        out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config")
+    out += [
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen.tp}",
+        f"actor_rollout_ref.rollout.pipeline_model_parallel_size={gen.pp}",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={gen.memory_utilization:g}",
+        f"actor_rollout_ref.rollout.max_num_seqs={gen.max_num_seqs}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
+        f"{work.infer_micro_batch_size}",
+    ]
+    if "critic" in plan.roles:
+        critic = plan.roles["critic"]
+        out += [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
+                f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
+        out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp")
+    out += _reward(plan, job, gpn)
+    if plan.rollout is not None:
+        r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)
+        out += [f"rollout.nnodes={r_nodes}", f"rollout.n_gpus_per_node={r_per_node}"]
+    if mode == "async":
+        # One trainer step consumes one iteration's batch (all its mini-batches) and then
+        # syncs weights; the rollouter may run max_staleness batches ahead of the sync:
+        # verl's bound is (1 + staleness_threshold) x the samples of one sync.
+        out += [
+            f"async_training.require_batches={mini}",
+            "async_training.trigger_parameter_sync_step=1",
+            f"async_training.staleness_threshold={plan.max_staleness - 1}",
+            f"async_training.partial_rollout={_bool(plan.partial_rollout)}",
+        ]
+    return ENTRY[mode], CONFIG[(mode, engine)], out
+
+
+def _reward(plan: Plan, job: JobSpec, gpn: int) -> list[str]:
+    if job.models.get("reward") == RULE:
+        out = ["reward.reward_model.enable=false"]
+        if job.reward_function is not None:
+            out += [f"reward.custom_reward_function.path={job.reward_function.path}",
+                    f"reward.custom_reward_function.name={job.reward_function.name}"]
+        return out
+    rp = plan.roles["reward"]
+    par = rp.parallel
+    own = plan.set_of("reward") is not plan.set_of("actor")
+    # verl 0.9 serves the reward model on an inference engine: one replica per tp*pp GPUs.
+    out = ["reward.reward_model.enable=true",
+           f"reward.reward_model.model_path={model_path(job, 'reward')}",
+           "reward.reward_model.rollout.name=vllm",
+           f"reward.reward_model.rollout.tensor_model_parallel_size={par.tp}",
+           f"reward.reward_model.rollout.pipeline_model_parallel_size={par.pp}",
+           f"reward.reward_model.enable_resource_pool={_bool(own)}"]
+    if own:
+        nodes, per_node = nodes_of(plan.set_of("reward").gpus, gpn)
+        out += [f"reward.reward_model.nnodes={nodes}",
+                f"reward.reward_model.n_gpus_per_node={per_node}"]
+    return out
+
+
+def verl_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json") -> dict[str, str]:
+    module, config, overrides = verl_overrides(plan, job)
+    script = f"""#!/usr/bin/env bash
+# Runs {plan_name} ({plan.strategy or 'plan'}: {plan.describe()}, mode {plan.mode_label()})
+# with verl {VERL_VERSION}. Written by `hybridflow export --to verl`.
+# Extra Hydra overrides after the script's name come last and win, e.g.
+#   bash {SCRIPT_FILE} actor_rollout_ref.model.path=/ckpt/actor data.train_files=/data/train.parquet
+# Start Ray on the nodes first (`ray start`); verl's Ray places the pools on them.
+set -euo pipefail
+here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+mapfile -t overrides < <(grep -v '^[[:space:]]*$' "$here/{OVERRIDES_FILE}")
+exec python3 -m {module} --config-name {config} "${{overrides[@]}}" "$@"
+"""
+    return {OVERRIDES_FILE: "\n".join(overrides) + "\n", SCRIPT_FILE: script}
+
+
+# ----- reading an export back -----
+
+
+def parse_verl_files(overrides_text: str, script_text: str) -> tuple[str, str, dict[str, str]]:
+    """(entry module, config name, key -> value) of an exported verl launch."""
+    values: dict[str, str] = {}
+    for line in read_argument_lines(overrides_text):
+        key, sep, value = line.partition("=")
+        if not sep:
+            raise SpecError(f"not a Hydra override: {line!r}", source=OVERRIDES_FILE)
+        values[key.lstrip("+")] = value
+    module = config = ""
+    for line in script_text.splitlines():
+        words = shlex.split(line, comments=True) if line.strip().startswith("exec ") else []
+        if "-m" in words:
+            module = words[words.index("-m") + 1]
+        if "--config-name" in words:
+            config = words[words.index("--config-name") + 1]
+    if not module or not config:
+        raise SpecError("no `python3 -m MODULE --config-name NAME` line", source=SCRIPT_FILE)
+    return module, config, values
+
+
+def verl_layout(overrides_text: str, script_text: str, roles: tuple[str, ...]) -> Layout:
+    """The placement and parallel sizes an exported verl launch runs (``roles``: the GPU
+    roles of the job), read only from the exported files."""
+    module, config, v = parse_verl_files(overrides_text, script_text)
+    mode = next(m for m, entry in ENTRY.items() if entry == module)
+    pool = int(v["trainer.nnodes"]) * int(v["trainer.n_gpus_per_node"])
+    megatron = "megatron" in config
+    own_reward = v.get("reward.reward_model.enable_resource_pool") == "true"
+    reward_gpus = (int(v["reward.reward_model.nnodes"])
+                   * int(v["reward.reward_model.n_gpus_per_node"])) if own_reward else 0
+    global_roles = frozenset(r for r in roles if not (r == "reward" and own_reward))
+    sets = {(global_roles, pool)}
+    if own_reward:
+        sets.add((frozenset({"reward"}), reward_gpus))
+
+    def sizes(role: str, prefix: str, fsdp_key: str, gpus: int) -> tuple[int, int, int]:
+        if megatron:
+            tp = int(v[f"{prefix}.megatron.tensor_model_parallel_size"])
+            pp = int(v[f"{prefix}.megatron.pipeline_model_parallel_size"])
+        else:
+            tp = pp = 1
+        return tp, pp, gpus // (tp * pp)
+
+    parallel = {"actor": sizes("actor", "actor_rollout_ref.actor", "fsdp_config", pool)}
+    if "ref" in roles:
+        parallel["ref"] = sizes("ref", "actor_rollout_ref.ref", "fsdp_config", pool)
+    if "critic" in roles:
+        parallel["critic"] = sizes("critic", "critic", "fsdp", pool)
+    if "reward" in roles:
+        tp = int(v["reward.reward_model.rollout.tensor_model_parallel_size"])
+        pp = int(v["reward.reward_model.rollout.pipeline_model_parallel_size"])
+        parallel["reward"] = (tp, pp, (reward_gpus or pool) // (tp * pp))
+    rollout = 0
+    if mode != "sync":
+        rollout = int(v["rollout.nnodes"]) * int(v["rollout.n_gpus_per_node"])
+    staleness = {"sync": 0, "one_step_off": 1}.get(mode)
+    if staleness is None:
+        staleness = int(float(v["async_training.staleness_threshold"])) + 1
+    return Layout(
+        sets=frozenset(sets), parallel=tuple(sorted(parallel.items())),
+        generation=(int(v["actor_rollout_ref.rollout.tensor_model_parallel_size"]),
+                    int(v["actor_rollout_ref.rollout.pipeline_model_parallel_size"])),
+        rollout_gpus=rollout, mode=mode, max_staleness=staleness,
+        partial_rollout=v.get("async_training.partial_rollout") == "true")
