@@ -1252,7 +1252,8 @@ def validate(as_json: bool) -> None:
                         "gate_mean_abs_error_pct": g.gate_mean_abs_error_pct,
                         "gate_max_abs_error_pct": g.gate_max_abs_error_pct,
                         "within_gate": g.within_gate,
-                        "assumptions": list(g.assumptions)} for g in groups],
+                        "assumptions": list(g.assumptions),
+                        "winners": list(g.winners)} for g in groups],
         })
     else:
         click.echo("error = (predicted - measured) / measured; bias = mean error, with what "
@@ -1281,6 +1282,8 @@ def validate(as_json: bool) -> None:
                        f"{g.median_abs_error_pct:.2f}%   max |error| "
                        f"{g.max_abs_error_pct:.2f}%   bias {g.bias_pct:+.2f}% ({g.bias_direction})"
                        f"{target}{goal}{gate}")
+            for winner in g.winners:
+                click.echo(f"  faster mode at {winner}")
     if not all(g.passes for g in groups):
         sys.exit(EXIT_DOES_NOT_FIT)
 

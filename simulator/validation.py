@@ -55,6 +55,8 @@ class GroupSummary:
     goal_median_abs_error_pct: float | None = None
     """A goal for the group's median |error|, reported (met or missed) but, unlike the target
     and the gates, not failing ``validate``."""
+    winners: tuple[str, ...] = ()
+    """Groups comparing modes: per scale, the faster mode measured and predicted."""
 
     @property
     def bias_direction(self) -> str:
@@ -175,6 +177,50 @@ def _stage_seconds(estimate, parts: list[str], source: str) -> float:
     return total
 
 
+def split_plan(job, rollout_gpus: int):
+    """An asynchronous case as its source ran it: the job's ``mode`` on a rollout set of the
+    last ``rollout_gpus`` GPUs (the actor's pinned generation layout), every other model
+    colocated on the GPUs before it."""
+    from dataclasses import replace
+
+    from simulator.default_plan import colocate_plan
+    from simulator.plan import Plan, RolePlan, RolloutSet
+    from simulator.specs.asynchrony import allowed_modes
+    from simulator.specs.parallel import GenerationConfig
+
+    total = job.cluster.total_gpus
+    trainer_job = replace(job, cluster=job.cluster.with_total_gpus(total - rollout_gpus),
+                          generation_elsewhere=True)
+    trainer = colocate_plan(trainer_job)
+    pin = job.parallel.get("actor")
+    seqs, utilization = job.rollout_defaults()
+    gen = GenerationConfig(tp=(pin.generation_tp if pin and pin.generation_tp else 1),
+                           max_num_seqs=seqs, memory_utilization=utilization)
+    roles = dict(trainer.roles)
+    roles["actor"] = RolePlan(parallel=roles["actor"].parallel, generation=gen,
+                              training_backend=roles["actor"].training_backend)
+    mode, staleness = allowed_modes(job.mode, job.max_staleness)[-1]
+    return Plan(algorithm=job.algorithm, sets=trainer.sets, roles=roles, strategy=mode,
+                mode=mode, max_staleness=staleness,
+                partial_rollout=job.partial_rollout and mode == "async",
+                rollout=RolloutSet(gpus=rollout_gpus, first_gpu=total - rollout_gpus))
+
+
+def winners(rows: list[dict]) -> list[str]:
+    """Per scale (cases sharing ``scale``): the faster mode measured and predicted, e.g.
+    '32 GPUs: measured async, predicted async (same)'."""
+    out = []
+    scales = sorted({r["scale"] for r in rows if r.get("scale") is not None and not r["stage"]})
+    for scale in scales:
+        at = [r for r in rows if r.get("scale") == scale and not r["stage"]]
+        measured = min(at, key=lambda r: r["measured"])
+        predicted = min(at, key=lambda r: r["predicted"])
+        same = "same" if measured is predicted else "DIFFERENT"
+        out.append(f"{scale} GPUs: measured {measured['mode']}, predicted {predicted['mode']} "
+                   f"({same})")
+    return out
+
+
 def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
     """Whole RLHF iterations: each case is a job (with its framework and every parallel setting
     pinned), colocated on all its GPUs as the source ran it, simulated for one iteration. A
@@ -191,14 +237,16 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
     for i, case in enumerate(spec["cases"]):
         source = f"{cases_file} ({group}.cases[{i}])"
         job = job_from_mapping(case["job"], source=source)
-        plan = colocate_plan(job)
+        plan = colocate_plan(job) if "rollout_gpus" not in case else \
+            split_plan(job, int(case["rollout_gpus"]))
         result = simulate(job, plan)
         if not result.feasible:
             raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
                             source=source)
         rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
                      "measured": float(case["measured"]),
-                     "predicted": result.iteration_seconds, "stage": ""})
+                     "predicted": result.iteration_seconds, "stage": "",
+                     "scale": case.get("scale"), "mode": plan.mode})
         if not case.get("stages"):
             continue
         estimate = estimate_plan(job, plan)
@@ -250,5 +298,6 @@ def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[Gr
             gate_mean_abs_error_pct=float(spec["gate_mean_abs_error_pct"]),
             gate_max_abs_error_pct=float(spec["gate_max_abs_error_pct"]),
             metric=spec.get("metric", "iteration_seconds"),
-            assumptions=tuple(" ".join(a.split()) for a in assumptions)))
+            assumptions=tuple(" ".join(a.split()) for a in assumptions),
+            winners=tuple(winners(group_rows))))
     return pd.DataFrame(rows), summaries
