@@ -82,6 +82,9 @@ IGNORED_TIMER_PREFIXES = ("generation_timing/", "agent_loop/")
 """Families of rollout statistics verl also logs under ``timing_s/`` (min / max / mean over
 workers of time inside ``gen``)."""
 
+READ_PREFIXES = (TIMING_PREFIX, "response_length/", "prompt_length/", "perf/")
+"""Metrics this module reads: their values must be numbers."""
+
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONSOLE = re.compile(r"^(?:\([^()]*\)\s*)?step:(\S*)(.*)$")
 """A console metrics line: an optional Ray prefix ``(TaskRunner pid=1, ip=...)``, then
@@ -164,8 +167,12 @@ def _jsonl_steps(text: str, source: str) -> list[Step]:
                             f"{type(data).__name__}", source=source)
         metrics: dict[str, float] = {}
         for key, value in data.items():
+            if key.startswith(READ_PREFIXES) and (
+                    isinstance(value, (str, list, dict, bool))):
+                raise SpecError(f"line {number}: {key}: expected a number, got "
+                                f"{json.dumps(value)[:40]}", source=source)
             if value is None or isinstance(value, (str, list, dict)):
-                continue  # orjson writes NaN as null; other backends' non-numbers
+                continue  # orjson writes NaN as null; metrics this module does not read
             if isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, (int, float)):
@@ -185,7 +192,7 @@ def read_verl_steps(path: str | Path) -> list[Step]:
     first = next((line.strip() for line in text.split("\n") if line.strip()), "")
     if not first:
         raise SpecError("empty file (no steps)", source=source)
-    jsonl = path.suffix == ".jsonl" or first.startswith("{")
+    jsonl = first.startswith("{")  # the file logger's; a console line starts otherwise
     steps = _jsonl_steps(text, source) if jsonl else _console_steps(text, source)
     previous: Step | None = None
     for step in steps:

@@ -34,7 +34,7 @@ command here takes under 10 s on a 2-core machine)."""
 INPUT_PATHS = {
     "job": "job.yaml", "plan": "plan.json", "profile": "profile.yaml", "model": "model.yaml",
     "hf_config": "hf/config.json", "run": "run", "data": "your-data",
-    "data_plan": "data-plan.json",
+    "data_plan": "data-plan.json", "verl_log": "verl-log.jsonl",
 }
 """Where each good input lives in a case's sandbox (relative paths)."""
 
@@ -89,7 +89,8 @@ RUNS = [(case, command) for case in CASES for command in (case.commands or ["arg
 
 def build_sandbox(root: Path) -> None:
     """The good inputs, plus earlier outputs that a failed command must leave alone."""
-    for name in ("job.yaml", "plan.json", "profile.yaml", "model.yaml", "data-plan.json"):
+    for name in ("job.yaml", "plan.json", "profile.yaml", "model.yaml", "data-plan.json",
+                 "verl-log.jsonl"):
         shutil.copy(GOOD / name, root / name)
     (root / "hf").mkdir()
     shutil.copy(GOOD / "config.json", root / "hf" / "config.json")
