@@ -66,9 +66,9 @@ def generation_seconds(job: JobSpec, estimate: PlanEstimate) -> float:
 
 def trainer_steps(job: JobSpec, estimate: PlanEstimate) -> tuple[list[Step], list[float]]:
     """One iteration of the training side with the sync, as schedule steps: the generate nodes
-    take no time at the rollout location (their batch is ready), their edges keep the
-    transfer to the trainer, and the sync follows the actor's update and the other nodes of
-    the actor's set (it is the set's last step)."""
+    take no time at the rollout location and their batch is already across (it crossed
+    while the trainer worked on the previous one), and the sync follows the actor's update
+    and the other nodes of the actor's set (it is the set's last step)."""
     nodes = job.dataflow.nodes
     names = [n.name for n in nodes]
     after = {n.name: n.after for n in nodes}
@@ -77,7 +77,12 @@ def trainer_steps(job: JobSpec, estimate: PlanEstimate) -> tuple[list[Step], lis
     names.append(SYNC_NODE)
     after[SYNC_NODE] = (update,)
     locations[SYNC_NODE] = locations[update]
-    steps = dataflow_steps(names, after, locations, estimate.transfers)
+    # In the steady state a batch crosses to the trainer while the trainer is still busy
+    # with the previous one: its transfer is not on the trainer's cycle.
+    gens = set(generate_names(job))
+    transfers = {edge: seconds for edge, seconds in estimate.transfers.items()
+                 if edge[0] not in gens}
+    steps = dataflow_steps(names, after, locations, transfers)
     durations = [0.0 if estimate.nodes[name].operation == "generate" else
                  estimate.nodes[name].seconds for name in names[:-1]]
     durations.append(sync_seconds(estimate))

@@ -1,0 +1,180 @@
+"""Asynchronous modes: the job and plan keys, the weight sync, the multi-iteration event
+simulation against its closed form, and the planner's side-by-side modes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.asynchronous import rollout_sizes, search_async
+from planner.planning import plan_job
+from profiles.datafile import SpecError
+from simulator.asynchronous import SYNC_NODE, steady_step_seconds
+from simulator.costs.weight_sync import weight_sync
+from simulator.engine import simulate
+from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet, plan_from_mapping
+from simulator.predict import estimate_plan
+from simulator.specs.cluster import ClusterSpec
+from simulator.specs.job import default_job, job_from_mapping
+from simulator.specs.lengths import parse_lengths
+from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+
+def _job(**changes):
+    base = default_job().to_value()
+    base.update(changes)
+    return job_from_mapping(base)
+
+
+@pytest.mark.parametrize(("changes", "key"), [
+    ({"mode": "sometimes"}, "mode"),
+    ({"mode": "sync", "max_staleness": 2}, "max_staleness"),
+    ({"mode": "one_step_off", "max_staleness": 3}, "max_staleness"),
+    ({"mode": "async", "max_staleness": 0}, "max_staleness"),
+    ({"mode": "sync", "partial_rollout": True}, "partial_rollout"),
+    ({"mode": "auto", "max_staleness": -1}, "max_staleness"),
+    ({"mode": "async", "partial_rollout": "yes"}, "partial_rollout"),
+])
+def test_contradictory_mode_keys_are_refused_naming_the_key(changes, key):
+    with pytest.raises(SpecError) as error:
+        _job(**changes)
+    assert error.value.key == key
+
+
+def test_allowed_modes_follow_the_job():
+    assert _job().allowed_modes == (("sync", 0),)
+    assert _job(mode="auto", max_staleness=3).allowed_modes == (
+        ("sync", 0), ("one_step_off", 1), ("async", 3))
+    assert _job(mode="one_step_off").allowed_modes == (("one_step_off", 1),)
+
+
+def _split(job, mode="one_step_off", staleness=1, partial=False, rollout=8, gen_tp=2):
+    trainer = job.cluster.total_gpus - rollout
+    sets = (ColocatedSet(roles=job.gpu_roles, gpus=trainer),)
+    roles = {r: RolePlan(parallel=ParallelConfig(tp=2, dp=trainer // 2,
+                                                 sharding="optimizer" if r in ("actor", "critic")
+                                                 else "none"),
+                         generation=GenerationConfig(tp=gen_tp) if r == "actor" else None)
+             for r in job.gpu_roles}
+    return Plan(algorithm=job.algorithm, sets=sets, roles=roles, mode=mode,
+                max_staleness=staleness, partial_rollout=partial,
+                rollout=RolloutSet(gpus=rollout, first_gpu=trainer))
+
+
+def test_async_plan_round_trips_and_is_checked():
+    job = default_job()
+    plan = _split(job)
+    plan.validate(job)
+    again = plan_from_mapping(plan.to_value())
+    assert again.rollout == plan.rollout and again.mode == "one_step_off"
+    assert again.generation_replicas() == 4
+    with pytest.raises(SpecError, match="rollout"):
+        dataclasses.replace(plan, mode="sync", max_staleness=0)
+    with pytest.raises(SpecError) as error:
+        dataclasses.replace(plan, rollout=RolloutSet(gpus=8, first_gpu=4)).validate(job)
+    assert "overlap" in str(error.value)
+    uneven = _split(job, rollout=8, gen_tp=4)
+    with pytest.raises(SpecError) as error:
+        dataclasses.replace(uneven, rollout=RolloutSet(gpus=6, first_gpu=8)).validate(job)
+    assert error.value.key == "rollout.gpus"
+
+
+def test_weight_sync_prices_every_weight_over_the_link_between_the_sets():
+    model = MODEL_PRESETS["llama2-7b"]
+    profile = default_job().cluster.profile()
+    par = ParallelConfig(tp=2, dp=4, sharding="optimizer")
+    across = weight_sync(model, profile, profile, par, rollout_gpus=8, dtype="bf16",
+                         crosses_nodes=True, gpus_per_node=8)
+    inside = weight_sync(model, profile, profile, par, rollout_gpus=8, dtype="bf16",
+                         crosses_nodes=False, gpus_per_node=8)
+    assert across.bytes_sent == pytest.approx(model.params() * 2)
+    assert across.broadcast_seconds > inside.broadcast_seconds > 0
+    assert across.gather_seconds == inside.gather_seconds > 0
+    # The broadcast moves the whole model at most at the link's bandwidth.
+    assert across.broadcast_seconds >= across.bytes_sent / profile.inter_node.bandwidth_bytes_per_s
+
+
+def _long_tail_job(nodes=4):
+    job = default_job()
+    lengths = parse_lengths({"distribution": "lognormal", "median": 400, "sigma": 0.8,
+                             "max": 4096}, "response_length")
+    return dataclasses.replace(
+        job, workload=dataclasses.replace(job.workload, response_length=lengths),
+        cluster=ClusterSpec.homogeneous(nodes=nodes, gpus_per_node=8, device="a100-80gb"))
+
+
+@pytest.mark.parametrize(("rollout", "mode", "staleness", "partial"), [
+    (8, "one_step_off", 1, False),   # generation-bound
+    (16, "one_step_off", 1, False),  # trainer-bound
+    (8, "async", 1, False),
+    (8, "async", 2, True),
+    (16, "async", 3, True),
+])
+def test_event_simulation_reaches_the_closed_form_steady_state(rollout, mode, staleness,
+                                                               partial):
+    job = _long_tail_job()
+    plan = _split(job, mode=mode, staleness=staleness, partial=partial, rollout=rollout)
+    result = simulate(job, plan)
+    closed = steady_step_seconds(job, estimate_plan(job, plan))
+    assert result.iteration_seconds == pytest.approx(closed, rel=1e-6)
+    assert result.extra["max_staleness_seen"] == staleness
+    assert result.stage_seconds[SYNC_NODE] > 0
+
+
+def test_generation_of_the_next_batch_overlaps_training_and_the_sync_blocks_both_sets():
+    job = _long_tail_job()
+    result = simulate(job, _split(job, rollout=8))
+    generate = {e.iteration: e for e in result.timeline if e.node == "actor.generate"}
+    train = {e.iteration: e for e in result.timeline if e.node == "actor.train"}
+    assert any(generate[i + 1].start < train[i].end and train[i].start < generate[i + 1].end
+               for i in train if i + 1 in generate)
+    syncs = [e for e in result.timeline if e.kind == "sync"]
+    assert {e.lane for e in syncs} == {",".join(job.gpu_roles), "rollout"}
+    # Batch i + 1 is generated with the weights after update i - 1: never before that sync.
+    sync_end = {e.iteration: e.end for e in syncs}
+    for i, event in generate.items():
+        if i - 2 in sync_end:
+            assert event.start >= sync_end[i - 2] - 1e-9
+
+
+def test_partial_rollouts_remove_the_tail_from_a_generation_bound_step():
+    job = _long_tail_job()
+    drained = simulate(job, _split(job, mode="async", staleness=1, partial=False))
+    streamed = simulate(job, _split(job, mode="async", staleness=1, partial=True))
+    assert streamed.extra["generation_seconds"] < drained.extra["generation_seconds"]
+    assert streamed.iteration_seconds <= drained.iteration_seconds
+
+
+def test_rollout_sizes_keep_whole_nodes():
+    assert rollout_sizes(8, 8) == [1, 2, 4]
+    assert rollout_sizes(32, 8) == [8, 16, 24]
+    assert all(r % 8 == 0 for r in rollout_sizes(1024, 8))
+    assert len(rollout_sizes(1024, 8)) <= 8
+
+
+def test_search_async_ranks_feasible_splits_by_their_simulated_step():
+    job = _long_tail_job()
+    found = search_async(job, "async", 2, top_k=3)
+    assert found
+    steps = [c.step_seconds for c in found]
+    assert steps == sorted(steps)
+    for candidate in found:
+        assert simulate(job, candidate.plan).iteration_seconds == pytest.approx(
+            candidate.step_seconds, rel=1e-6)
+
+
+def test_plan_shows_every_mode_and_picks_among_the_allowed_ones():
+    job = _long_tail_job(nodes=2)
+    result = plan_job(job)
+    assert [m.name for m in result.modes] == ["sync-colocate", "sync", "one_step_off", "async"]
+    assert result.best.plan.mode == "sync"
+    assert [m.allowed for m in result.modes] == [True, True, False, False]
+    auto = plan_job(dataclasses.replace(job, mode="auto", max_staleness=2))
+    fastest = min((m.result for m in auto.modes if m.result is not None),
+                  key=lambda e: e.iteration_seconds)
+    assert auto.best.iteration_seconds == pytest.approx(fastest.iteration_seconds)
+    pinned = plan_job(dataclasses.replace(job, mode="one_step_off"))
+    assert pinned.best.plan.mode == "one_step_off"
+    assert all(e.plan.mode == "one_step_off" for e in pinned.ranking)
