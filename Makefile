@@ -21,12 +21,22 @@ $(VENV)/.test-installed: pyproject.toml | $(BIN)/python
 	$(PIP) install -e '.[dev,executor]'
 	@touch $@ $(VENV)/.plan-installed
 
+# verl and OpenRLHF for the export tests only (tests/test_export_frameworks.py: their own
+# Hydra config / argument code judges the exported files). --no-deps keeps torch 2.13.0+cpu
+# (both pin other torch builds for training); only what their config code imports is added.
+$(VENV)/.export-frameworks-installed: $(VENV)/.test-installed
+	$(PIP) install hydra-core==1.3.8
+	$(PIP) install --no-deps verl==0.9.1 openrlhf==0.11.2 tensordict==0.10.0 \
+		codetiming==1.4.0 pyvers==0.1.0 lazy-importer==0.1.0 orjson==3.13.0 \
+		importlib_metadata==10.2.0 zipp==4.1.2
+	@touch $@
+
 plan: $(VENV)/.plan-installed
 	$(BIN)/hybridflow plan --out hybridflow-report
 
 # The engine stage runs after the core suite whatever its result, and fails on its own (an
 # engine that does not install is reported as such, not as a failing core test).
-test: $(VENV)/.test-installed
+test: $(VENV)/.test-installed $(VENV)/.export-frameworks-installed
 	$(BIN)/ruff check .
 	@status=0; \
 	$(BIN)/python -m pytest -q --ignore=tests/engines || status=1; \

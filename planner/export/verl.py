@@ -43,8 +43,9 @@ CONFIG = {
 }
 """verl's Hydra config per (mode, engine)."""
 SEARCHPATH = "hydra.searchpath=[pkg://verl.trainer.config]"
-"""The one-step-off config finds verl's base config by a path relative to a source checkout
-(``file://verl/trainer/config``); with verl installed from the registry it needs this."""
+"""The one-step-off configs and the fully-async Megatron config find verl's base config by a
+path relative to a source checkout (``file://verl/trainer/config``); with verl installed from
+the registry they need this (written for both asynchronous entry points)."""
 ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 """Our algorithm -> verl's ``algorithm.adv_estimator``."""
 
@@ -136,7 +137,7 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
     mode = plan.mode
     gpn = job.cluster.pool_of(plan.set_of("actor").node_group).group.gpus_per_node
     out: list[str] = []
-    if mode == "one_step_off":
+    if mode != "sync":
         out.append(SEARCHPATH)
     nodes, per_node = nodes_of(plan.set_of("actor").gpus, gpn)
     out += [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={per_node}"]
