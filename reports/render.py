@@ -334,7 +334,9 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         pngs.append(figures.timeline_gantt(
             result.best.simulation.timeline, out / "timeline.png",
             f"Best plan {result.best.plan.placement}: one iteration "
-            f"({result.best.iteration_seconds:.1f} s)"))
+            f"({result.best.iteration_seconds:.1f} s)" if result.best.plan.rollout is None else
+            f"Best plan, {result.best.plan.mode_label()}: {result.best.simulation.iterations} "
+            f"iterations ({result.best.iteration_seconds:.1f} s per steady step)"))
         pngs.append(figures.memory_by_set(
             result.best.estimate.memory, out / "memory.png",
             f"Peak memory per GPU of each set - {result.best.plan.placement}"))
