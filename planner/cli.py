@@ -822,6 +822,11 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     if steps is None:
         raise SpecError("give --steps N", key="--steps")
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
+    if plan_file.mode != "sync":
+        raise SpecError(f"the executor runs synchronous plans; this plan runs "
+                        f"{plan_file.mode_label()} (plan it with mode: sync to run it here, or "
+                        "export it to verl with `hybridflow export`)", key="mode",
+                        source=str(plan_path))
     if not job.cluster.is_homogeneous:
         # The executor maps a plan's GPUs onto one kind of node; mixed clusters are planned.
         with _about(config or plan_path):
