@@ -122,6 +122,15 @@ class Pending:
         self._value: Any = None
         self._done = False
         self._clock_offsets = clock_offsets
+        self._late = False
+
+    def collected_late(self) -> Pending:
+        """Mark a call the controller collects later than it finishes, on purpose
+        (one-step-off's generation of the next batch, collected after the update): its wall
+        time then ends when its last rank ended (on the controller's clock), not at its
+        collection, which would read as controller overhead."""
+        self._late = True
+        return self
 
     def _raise_first_failure(self) -> None:
         """Wait for every rank, raising as soon as one failed (the others may be blocked in a
@@ -159,6 +168,11 @@ class Pending:
                 out[rank_of[ref]] = exc
         return out
 
+    def first_rank_result(self) -> Any:
+        """Rank 0's own result (after ``result()``), where the merged one averages the
+        ranks' metrics."""
+        return self._ray.get(self._result_refs[0])
+
     def result(self) -> Any:
         if not self._done:
             self._raise_first_failure()
@@ -171,6 +185,8 @@ class Pending:
                 for info, offset in zip(self.record.infos, self._clock_offsets, strict=True):
                     info["start"] -= offset
                     info["end"] -= offset
+            if self._late:
+                self.record.collected = min(self.record.collected, self.record.compute_end)
             value = self._merge(parts)
             if self._trim and isinstance(value, Batch):
                 value = value.rows(slice(0, len(value) - self._trim))
@@ -180,6 +196,22 @@ class Pending:
             self._done = True
             self._on_done(self.record)
         return self._value
+
+
+def wait_together(calls: list[Pending]) -> None:
+    """Wait for calls whose ranks take part in one collective across worker groups (a
+    weight sync): stop at the first rank of any of them that fails, since its peers in the
+    other group would wait for it until the collective's timeout."""
+    ray = calls[0]._ray
+    owner = {ref: call for call in calls for ref in call._info_refs}
+    pending = list(owner)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                owner[ref]._raise_first_failure()
 
 
 INLINE_BYTES = 256 * 1024
@@ -280,6 +312,8 @@ class WorkerGroup:
         self.nodes = [locations[i][0] for i in order]
         """Ray node id of each rank."""
         addresses = [locations[i][1] for i in order]
+        self.addresses = addresses
+        """Node IP address of each rank."""
         # One node: the loopback interface (always there); several: rank 0's node address.
         host = "127.0.0.1" if len(set(self.nodes)) == 1 else addresses[0]
         port = ray.get(self.workers[0].open_rendezvous.remote(host))
@@ -316,9 +350,13 @@ class RoleHandle:
     """The controller's view of one role: ``handle.op(batch)`` -> ``Pending``."""
 
     def __init__(self, group: WorkerGroup, role: str, layout: RankLayout,
-                 on_done: Callable[[CallRecord], None], node_names: dict[str, str]):
+                 on_done: Callable[[CallRecord], None], node_names: dict[str, str],
+                 label: str | None = None):
+        """``label``: the role its records name (default ``role``; the rollout set's
+        generator records as the actor, the simulator's role of that stage)."""
         self.group = group
         self.role = role
+        self.label = label or role
         self.layout = layout
         self.cls = ROLE_CLASSES[role]
         self._on_done = on_done
@@ -329,16 +367,19 @@ class RoleHandle:
             raise AttributeError(method)
         kind = protocol_of(self.cls, method)
 
-        def call(payload: Any, node: str | None = None) -> Pending:
+        def call(payload: Any, node: str | None = None, record: bool = True) -> Pending:
+            """``record``: add the call's record to the run's (False: the caller records
+            it, e.g. one record for a transfer made of calls on two sets)."""
             ray = self.group.ray
-            record = CallRecord(node=node or self._node_names.get(method,
-                                                                  f"{self.role}.{method}"),
-                                role=self.role, operation=method,
-                                location=self.group.index, dispatch_start=time.time())
+            on_done = self._on_done if record else (lambda _record: None)
+            record_ = CallRecord(node=node or self._node_names.get(method,
+                                                                   f"{self.label}.{method}"),
+                                 role=self.label, operation=method,
+                                 location=self.group.index, dispatch_start=time.time())
             trim = 0
             if isinstance(payload, Batch) and kind is not Protocol.ONE_TO_ALL:
-                record.sequences = len(payload)
-                record.tokens = count_tokens(payload)
+                record_.sequences = len(payload)
+                record_.tokens = count_tokens(payload)
                 payload, trim = payload.pad_rows(chunks_needed(kind, self.layout))
             chunks, assignment = dispatch(kind, self.layout, payload)
             # Big chunks go through the object store once, however many ranks read them;
@@ -349,7 +390,7 @@ class RoleHandle:
             result_refs = [c[0] for c in calls]
             info_refs = [c[1] for c in calls]
             return Pending(ray, result_refs, info_refs, collect_ranks(kind, self.layout),
-                           _merge(kind), record, self._on_done, trim,
+                           _merge(kind), record_, on_done, trim,
                            [offset for offset, _ in self.group.clock_offsets])
 
         return call

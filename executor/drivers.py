@@ -4,6 +4,25 @@ lines each).
 Each iteration reads like the dataflow: generate, score / evaluate, advantages on the
 controller, update. Calls on different colocated sets overlap because handles return
 ``Pending`` results that are collected only when needed.
+
+One-step-off plans (``mode: one_step_off``) run the same programs with the generation moved
+to the rollout set and one batch ahead (``_rollout``): iteration i takes batch i, generated
+during iteration i - 1 (iteration 0 generates its batch first), launches batch i + 1 on the
+rollout set at once, trains on batch i meanwhile, waits for batch i + 1, and syncs the
+trainer's weights to the rollout set (``sync_weights``). Batch i + 1 is thus generated with
+the weights after update i - 1: staleness 1.
+
+The log-prob correction is the recomputation of the old log-probs (verl's one-step-off
+recipe does the same): the trainer's actor computes the sampled tokens' log-probs with its
+current weights before the update (node ``actor.old_log_prob``), and PPO's ratio and clip,
+and the KL penalty, take those, so each update is a proximal step from the trainer's own
+policy exactly as in a synchronous run. The rollout's log-probs (one update older) are kept
+as ``rollout_log_probs`` and their gap is reported per iteration
+(``rollout_log_prob_mismatch``: mean |log p_rollout - log p_old| over response tokens).
+Importance weights p_old / p_rollout on top (decoupled PPO) are not applied: at staleness 1
+with a clipped update the two policies are one proximal step apart, and the recomputation
+already makes the ratio's denominator the trainer's policy; the metric shows when that gap
+grows.
 """
 
 from __future__ import annotations
@@ -18,7 +37,7 @@ import torch
 
 from executor import algorithms as rl
 from executor.batch import Batch
-from executor.controller import CallRecord, Pending, RoleHandle
+from executor.controller import CallRecord, Pending, RoleHandle, wait_together
 from executor.reward_function import score_texts
 from executor.task import SortDigits
 from simulator.predict import CONTROLLER_LOCATION
@@ -45,6 +64,18 @@ class Context:
     called on the controller with (prompt text, response text, data row)."""
     records: list[CallRecord] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
+    mode: str = "sync"
+    """The plan's mode: sync, or one_step_off (generation on the rollout set, one batch
+    ahead of training)."""
+    steps: int = 0
+    """The run's iterations (one_step_off generates no batch past the last)."""
+    ahead: dict[int, Callable[[], Any]] = field(default_factory=dict)
+    """one_step_off: the next iteration's generation in flight (iteration -> its finish)."""
+
+    @property
+    def generation(self) -> RoleHandle:
+        """The handle that generates: the rollout set's, else the actor's."""
+        return self.handles.get("rollout") or self.handles["actor"]
 
     def __getattr__(self, role: str) -> RoleHandle:
         handles = self.__dict__.get("handles", {})
@@ -128,6 +159,94 @@ def _prompts(ctx: Context, iteration: int, repeat: int = 1) -> Batch:
     return Batch(prompts.tensors, {"iteration": iteration}).repeat(repeat)
 
 
+def _generate(ctx: Context, prompts: Batch, node: str | None = None) -> Pending:
+    pending = ctx.generation.generate(prompts, node=node)
+    # One-step-off collects it after the update: its wall time ends when it is ready.
+    return pending.collected_late() if ctx.mode == "one_step_off" else pending
+
+
+def _launch_sampled(ctx: Context, iteration: int) -> Callable[[], Batch]:
+    """Start generating the iteration's responses, one per prompt."""
+    return _generate(ctx, _prompts(ctx, iteration)).result
+
+
+def _launch_grouped(ctx: Context, iteration: int) -> Callable[[], Batch]:
+    """Start generating GRPO's groups: samples_per_prompt responses per prompt."""
+    return _generate(ctx, _prompts(ctx, iteration, ctx.samples_per_prompt)).result
+
+
+def _launch_remax(ctx: Context, iteration: int) -> Callable[[], tuple[Batch, Batch]]:
+    """Start ReMax's two generations: sampled responses and the greedy baseline's."""
+    prompts = _prompts(ctx, iteration)
+    sampled = _generate(ctx, prompts)
+    greedy = _generate(ctx, Batch(prompts.tensors, {**prompts.meta, "greedy": True}),
+                       node="actor.generate_greedy")
+    return lambda: (sampled.result(), greedy.result())
+
+
+def _rollout(ctx: Context, iteration: int,
+             launch: Callable[[Context, int], Callable[[], Any]]) -> Any:
+    """The iteration's generated batch. Synchronous: generated now. One-step-off: the batch
+    launched during the previous iteration (the first iteration generates its own first),
+    and the next iteration's batch is launched before this one is trained on."""
+    if ctx.mode != "one_step_off":
+        return launch(ctx, iteration)()
+    finish = ctx.ahead.pop(iteration, None) or launch(ctx, iteration)
+    generated = finish()
+    if iteration + 1 < ctx.steps:
+        import contextlib
+
+        from executor.data import DataExhaustedError
+
+        # Data used up: the next iteration finds it so and ends the run.
+        with contextlib.suppress(DataExhaustedError):
+            ctx.ahead = {iteration + 1: launch(ctx, iteration + 1)}
+    return generated
+
+
+OLD_LOG_PROB_NODE = "actor.old_log_prob"
+"""The trainer's recomputation of the old log-probs (the simulator's node of that name)."""
+
+
+def _old_log_probs(ctx: Context, batch: Batch) -> Callable[[], Batch]:
+    """One-step-off: start the trainer's recomputation of the sampled tokens' log-probs; the
+    returned function finishes it into ``old_log_probs`` (the trainer's) and
+    ``rollout_log_probs`` (the generating policy's). Synchronous: nothing to correct."""
+    if ctx.mode != "one_step_off":
+        return Batch
+    pending = ctx.actor.log_probs(batch, node=OLD_LOG_PROB_NODE)
+
+    def finish() -> Batch:
+        return Batch({"rollout_log_probs": batch["old_log_probs"],
+                      "old_log_probs": pending.result()["old_log_probs"]})
+
+    return finish
+
+
+def sync_weights(ctx: Context, node: str = "actor.weight_sync") -> dict[str, float]:
+    """One-step-off: the trainer's actor weights to the rollout set, through the sync group
+    (``executor.weight_sync``), recorded as one stage (operation ``sync``, on the rollout
+    set, both sides' ranks timed); returns its metrics."""
+    start = time.time()
+    sent = ctx.actor.send_weights(Batch(), record=False)
+    received = ctx.rollout.receive_weights(Batch(), record=False)
+    wait_together([sent, received])
+    sent.result()
+    sender = sent.first_rank_result().meta  # the trainer's rank 0, the one that broadcasts
+    got = received.result().meta
+    for info in received.record.infos:
+        info["sync"] = {"bytes": got["bytes"], "tensors": got["tensors"]}
+    record = CallRecord(node=node, role="actor", operation="sync",
+                        location=received.record.location, dispatch_start=start,
+                        collected=time.time(),
+                        infos=[*sent.record.infos, *received.record.infos])
+    ctx.records.append(record)
+    return {"weight_sync_seconds": record.wall_seconds, "weight_sync_bytes": got["bytes"],
+            "weight_sync_tensors": got["tensors"],
+            "weight_sync_gather_seconds": sender["gather_seconds"],
+            "weight_sync_broadcast_seconds": sender["broadcast_seconds"]}
+
+
 def _summary(batch: Batch, extra: dict[str, Any], eos_token_id: int) -> dict[str, Any]:
     """The iteration's metrics: scores and their spread, response lengths (mean, max, the
     share cut off at the length cap), the sampled tokens' entropy estimate and the KL to the
@@ -155,6 +274,11 @@ def _summary(batch: Batch, extra: dict[str, Any], eos_token_id: int) -> dict[str
                # E[-log p(sampled token)] estimates the policy's per-token entropy.
                "entropy_estimate": float(-(batch["old_log_probs"] * mask).sum() / tokens),
                "response_length_counts": json.dumps(counts)}
+    if "rollout_log_probs" in batch:
+        # One-step-off: how far the generating policy (one update older) is from the
+        # trainer's on the sampled tokens.
+        gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+        metrics["rollout_log_prob_mismatch"] = float(gap.sum() / tokens)
     if "ref_log_probs" in batch:
         # k1 estimate of KL(actor || reference) per token, on the sampled tokens.
         kl = (batch["old_log_probs"] - batch["ref_log_probs"]) * mask
@@ -163,11 +287,12 @@ def _summary(batch: Batch, extra: dict[str, Any], eos_token_id: int) -> dict[str
 
 
 def ppo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    batch = ctx.actor.generate(_prompts(ctx, iteration)).result()
+    batch = _rollout(ctx, iteration, _launch_sampled)
+    old = _old_log_probs(ctx, batch)
     values = ctx.critic.values(batch)      # the three run in parallel where the roles are
     ref = ctx.ref.log_probs(batch)         # on different sets, one after another (in this
     _, finish_scores = _scores(ctx, batch)  # order) where they share GPUs
-    batch = batch | ref.result() | values.result() | finish_scores()
+    batch = batch | old() | ref.result() | values.result() | finish_scores()
 
     def advantages() -> Batch:
         rewards = rl.kl_penalty_rewards(batch["scores"], batch["old_log_probs"],
@@ -188,12 +313,13 @@ def safe_rlhf_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     """PPO-Lagrangian with a cost model (Safe-RLHF) and the actor's pretraining loss. One
     critic learns the value of the combined score, as in HybridFlow's five-model dataflow
     (Safe-RLHF itself also trains a cost critic)."""
-    batch = ctx.actor.generate(_prompts(ctx, iteration)).result()
+    batch = _rollout(ctx, iteration, _launch_sampled)
+    old = _old_log_probs(ctx, batch)
     values = ctx.critic.values(batch)
     ref = ctx.ref.log_probs(batch)
     _, finish_scores = _scores(ctx, batch)
     finish_costs = _costs(ctx, batch)
-    batch = batch | ref.result() | values.result() | finish_scores() | finish_costs()
+    batch = batch | old() | ref.result() | values.result() | finish_scores() | finish_costs()
     multiplier_used = ctx.multiplier
 
     def advantages() -> Batch:
@@ -219,10 +345,11 @@ def safe_rlhf_iteration(ctx: Context, iteration: int) -> dict[str, float]:
 
 
 def grpo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    batch = ctx.actor.generate(_prompts(ctx, iteration, ctx.samples_per_prompt)).result()
+    batch = _rollout(ctx, iteration, _launch_grouped)
+    old = _old_log_probs(ctx, batch)
     ref = ctx.ref.log_probs(batch)
     _, finish_scores = _scores(ctx, batch)
-    batch = batch | ref.result() | finish_scores()
+    batch = batch | old() | ref.result() | finish_scores()
 
     def advantages() -> Batch:
         return Batch({"advantages": rl.group_advantages(
@@ -235,11 +362,8 @@ def grpo_iteration(ctx: Context, iteration: int) -> dict[str, float]:
 
 
 def remax_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    prompts = _prompts(ctx, iteration)
-    sampled = ctx.actor.generate(prompts)
-    greedy_prompts = Batch(prompts.tensors, {**prompts.meta, "greedy": True})
-    greedy = ctx.actor.generate(greedy_prompts, node="actor.generate_greedy")
-    batch, baseline = sampled.result(), greedy.result()
+    batch, baseline = _rollout(ctx, iteration, _launch_remax)
+    old = _old_log_probs(ctx, batch)
     ref = ctx.ref.log_probs(batch)
     both = Batch.concat([batch.select("prompts", "responses", "input_ids", "response_mask"),
                          baseline.select("prompts", "responses", "input_ids",
@@ -247,8 +371,8 @@ def remax_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     _, finish_scores = _scores(ctx, both)
     scored = finish_scores()
     half = len(batch)
-    batch = batch | ref.result() | Batch({"scores": scored["scores"][:half],
-                                          "rule_scores": scored["rule_scores"][:half]})
+    batch = batch | old() | ref.result() | Batch({"scores": scored["scores"][:half],
+                                                  "rule_scores": scored["rule_scores"][:half]})
 
     def advantages() -> Batch:
         shaped = rl.kl_penalty_rewards(batch["scores"] - scored["scores"][half:],
@@ -272,6 +396,17 @@ DRIVERS: dict[str, Callable[[Context, int], dict[str, float]]] = {
     "ppo": ppo_iteration, "grpo": grpo_iteration, "remax": remax_iteration,
     "safe-rlhf": safe_rlhf_iteration,
 }
+
+
+def run_iteration(ctx: Context, algorithm: str, iteration: int) -> dict[str, float]:
+    """One iteration of ``algorithm``; one-step-off then waits for the next batch (launched
+    before the update) and syncs the updated weights to the rollout set."""
+    summary = DRIVERS[algorithm](ctx, iteration)
+    if ctx.mode == "one_step_off":
+        for finish in ctx.ahead.values():
+            finish()  # its record joins this iteration's, which it overlapped
+        summary.update(sync_weights(ctx))
+    return summary
 
 
 def fit_reward_model(ctx: Context, steps: int, batch_size: int,
@@ -307,9 +442,9 @@ def validation_scores(ctx: Context, prompts: Batch, iteration: int) -> dict[str,
     """Greedy responses to the held-out prompts, scored by the rule (or the user's reward
     function, or the reward model): the validation reward. Recorded as its own stage,
     outside the iteration."""
-    batch = ctx.actor.generate(Batch(prompts.tensors, {"iteration": iteration,
-                                                       "greedy": True}),
-                               node="actor.validate").result()
+    batch = ctx.generation.generate(Batch(prompts.tensors, {"iteration": iteration,
+                                                            "greedy": True}),
+                                    node="actor.validate").result()
     rule = ctx.task.score(batch["prompts"], batch["responses"]) if ctx.task.has_rule \
         else None
     if rule is None and ctx.reward_function is None:

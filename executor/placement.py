@@ -35,8 +35,9 @@ class NodeMap:
     """All plan nodes on one Ray node (a local run)."""
 
     def bundle_nodes(self, plan: Plan, set_index: int, gpus_per_node: int) -> list[str]:
-        """The Ray node id of each GPU (bundle) of a set, in rank order."""
-        s = plan.sets[set_index]
+        """The Ray node id of each GPU (bundle) of a set (the rollout set after the training
+        sets), in rank order."""
+        s = plan.located_sets()[set_index]
         return [self.nodes[gpu // gpus_per_node].node_id
                 for gpu in range(s.first_gpu, s.first_gpu + s.gpus)]
 
@@ -54,7 +55,7 @@ def map_plan_nodes(plan: Plan, gpus_per_node: int, ray_nodes: list[RayNode], *,
     """Plan node -> Ray node; raises SpecError (before anything starts) when the cluster
     cannot hold the plan as laid out."""
     used: dict[int, int] = {}
-    for s in plan.sets:
+    for s in plan.located_sets():
         for gpu in range(s.first_gpu, s.first_gpu + s.gpus):
             used[gpu // gpus_per_node] = used.get(gpu // gpus_per_node, 0) + 1
     if not ray_nodes:

@@ -43,11 +43,12 @@ def measurement_rows(records: list[CallRecord], iteration: int, plan: Plan,
     role -> (training backend, generation backend), named on every row so that calibration
     can tell them apart (default torch / native)."""
     backends = backends or {}
+    located = plan.located_sets()  # the training sets, then the rollout set (if any)
     rows = []
     for record in records:
         location = record.location
-        label = "controller" if location == CONTROLLER_LOCATION else plan.sets[location].label()
-        gpus = 0 if location == CONTROLLER_LOCATION else plan.sets[location].gpus
+        label = "controller" if location == CONTROLLER_LOCATION else located[location].label()
+        gpus = 0 if location == CONTROLLER_LOCATION else located[location].gpus
         states = [i.get("state_bytes", {}) for i in record.infos]
         row = {
             "iteration": iteration, "node": record.node, "role": record.role,
@@ -74,6 +75,9 @@ def measurement_rows(records: list[CallRecord], iteration: int, plan: Plan,
             backends.get(record.role, ("torch", "native"))[
                 1 if record.operation == "generate" else 0],
         }
+        synced = [i["sync"] for i in record.infos if "sync" in i]
+        if synced:  # a weight sync: the bytes each rollout rank received
+            row["bytes_received_per_gpu"] = max(s["bytes"] for s in synced)
         transitions = [i["transition"] for i in record.infos if "transition" in i]
         if transitions:
             # Generation and its transition are separate stages (as in the simulator): each

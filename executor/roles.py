@@ -21,6 +21,14 @@ from executor.generation import SamplingParams
 from executor.hybrid_engine import HybridEngine, TransitionMode
 from executor.protocols import Protocol, protocol
 from executor.trainer import OptimConfig, Trainer
+from executor.weight_sync import (
+    SyncGroup,
+    open_store,
+    receive,
+    send,
+    weight_manifest,
+    whole_tensors,
+)
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -61,6 +69,10 @@ class RoleConfig:
     kv_cache_budget_bytes: int | None = None
     """Actor only: the KV-cache bytes per GPU the plan leaves generation (the simulator's
     budget); None: the engine's own default."""
+    rollout: bool = False
+    """Actor only: the plan generates on a rollout set of its own (``one_step_off``): the
+    trainer's actor has no generation engine and sends its weights to the rollout set after
+    every update (``executor.weight_sync``); the ``rollout`` role is that set's generator."""
 
 
 def build_trainer(config: RoleConfig) -> Any:
@@ -167,10 +179,14 @@ class ActorRole(Role):
     def __init__(self, config: RoleConfig):
         super().__init__(config)
         assert config.generation is not None and config.sampling is not None
-        if config.training_backend == "megatron":
+        self.sync: SyncGroup | None = None
+        self._sync_store: Any = None
+        if config.rollout:
+            self.hybrid: Any = None  # generation runs on the rollout set
+        elif config.training_backend == "megatron":
             from executor.backends.megatron_hybrid import MegatronHybridEngine
 
-            self.hybrid: Any = MegatronHybridEngine(
+            self.hybrid = MegatronHybridEngine(
                 self.trainer, config.generation, backend=config.generation_backend,
                 seed=config.seed, kv_cache_budget_bytes=config.kv_cache_budget_bytes)
         else:
@@ -182,34 +198,49 @@ class ActorRole(Role):
     def generate(self, batch: Batch) -> Batch:
         """Responses for this replica's prompts: train -> generate transition, sampling,
         back to training."""
+        if self.hybrid is None:
+            raise RuntimeError("this plan generates on its rollout set (call the rollout "
+                               "role's generate)")
         record = self.hybrid.to_generation()
         try:
-            sampling = self.config.sampling
-            if batch.meta.get("greedy"):
-                sampling = SamplingParams(**{**_fields(sampling), "greedy": True})
-            seed = hash((self.config.seed, int(batch.meta.get("iteration", 0)),
-                         self.hybrid.replica, bool(batch.meta.get("greedy")))) % (2**63)
-            generator = torch.Generator(device=batch["prompts"].device).manual_seed(seed)
-            prompt_mask = batch.get("prompt_mask", None)
-            out = self.hybrid.engine.generate(batch["prompts"], sampling, generator,
-                                              prompt_mask=prompt_mask)
+            out = sample(self.hybrid.engine, self.config, self.hybrid.replica, batch)
         finally:
             self.hybrid.to_training()
         self.last_transition = record
-        prompts = batch["prompts"]
-        steps = out.responses.shape[1]
-        mask = (torch.arange(steps, device=out.lengths.device)[None]
-                < out.lengths[:, None]).float()
-        tensors = {"prompts": prompts, "responses": out.responses,
-                   "input_ids": torch.cat([prompts, out.responses], dim=1),
-                   "response_mask": mask, "old_log_probs": out.log_probs}
-        if prompt_mask is not None:
-            tensors["prompt_mask"] = prompt_mask
-            tensors["attention_mask"] = torch.cat(
-                [prompt_mask, torch.ones_like(out.responses, dtype=prompt_mask.dtype)], dim=1)
-        if "prompt_index" in batch:
-            tensors["prompt_index"] = batch["prompt_index"]
-        return Batch(tensors, {"prompt_length": prompts.shape[1]})
+        return out
+
+    # ----- weight sync to a rollout set (one_step_off) -----
+
+    def open_weight_sync(self, batch: Batch) -> Batch:
+        """Rank 0: open the sync group's rendezvous store (``batch.meta``: host, members);
+        returns its port."""
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return Batch(meta={"port": 0})
+        self._sync_store, port = open_store(batch.meta["host"], int(batch.meta["members"]))
+        return Batch(meta={"port": port})
+
+    def join_weight_sync(self, batch: Batch) -> Batch:
+        """Rank 0 joins the sync group as its sender (sync rank 0); the other ranks only
+        help gather the tensors it sends."""
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            self.sync = SyncGroup(batch.meta["address"], 0, int(batch.meta["members"]),
+                                  store=self._sync_store)
+        return Batch(meta={"joined": float(self.sync is not None)})
+
+    @protocol(Protocol.ONE_TO_ALL)
+    def send_weights(self, batch: Batch) -> Batch:
+        """Every rank gathers the actor's tensors whole, one at a time; rank 0 broadcasts each
+        to the rollout set (``executor.weight_sync``)."""
+        return Batch(meta=send(self.trainer, weight_manifest(self.config.spec), self.sync))
+
+    def whole_weights(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Every rank: the actor's whole tensors in the compute dtype (what a sync sends)."""
+        return {name: whole.cpu() for name, whole in
+                whole_tensors(self.trainer, weight_manifest(self.config.spec))}
 
     @protocol(Protocol.THREE_D)
     def log_probs(self, batch: Batch) -> Batch:
@@ -306,9 +337,112 @@ class RewardRole(Role):
         return self._update(batch, loss)
 
 
-ROLE_CLASSES: dict[str, type[Role]] = {
+def sample(engine: Any, config: RoleConfig, replica: int, batch: Batch) -> Batch:
+    """Responses of ``engine`` (its weights loaded) to this replica's prompts: the sampled
+    tokens, their log-probabilities under the generating weights (``old_log_probs``), and the
+    masks. Seeded per (role seed, iteration, replica, greedy): the same draws wherever the
+    replica runs."""
+    assert config.sampling is not None
+    sampling = config.sampling
+    if batch.meta.get("greedy"):
+        sampling = SamplingParams(**{**_fields(sampling), "greedy": True})
+    seed = hash((config.seed, int(batch.meta.get("iteration", 0)), replica,
+                 bool(batch.meta.get("greedy")))) % (2**63)
+    generator = torch.Generator(device=batch["prompts"].device).manual_seed(seed)
+    prompt_mask = batch.get("prompt_mask", None)
+    out = engine.generate(batch["prompts"], sampling, generator, prompt_mask=prompt_mask)
+    prompts = batch["prompts"]
+    steps = out.responses.shape[1]
+    mask = (torch.arange(steps, device=out.lengths.device)[None]
+            < out.lengths[:, None]).float()
+    tensors = {"prompts": prompts, "responses": out.responses,
+               "input_ids": torch.cat([prompts, out.responses], dim=1),
+               "response_mask": mask, "old_log_probs": out.log_probs}
+    if prompt_mask is not None:
+        tensors["prompt_mask"] = prompt_mask
+        tensors["attention_mask"] = torch.cat(
+            [prompt_mask, torch.ones_like(out.responses, dtype=prompt_mask.dtype)], dim=1)
+    if "prompt_index" in batch:
+        tensors["prompt_index"] = batch["prompt_index"]
+    return Batch(tensors, {"prompt_length": prompts.shape[1]})
+
+
+class RolloutRole:
+    """The actor's generation replicas on a rollout set of their own (``one_step_off``):
+    a generation engine and nothing to train. Its ranks form replicas of the actor's
+    generation tp (consecutive ranks); the weights arrive from the trainer's actor by the
+    weight sync after every update (``receive_weights``), each rank keeping its generation
+    shard, and stay loaded between generations."""
+
+    def __init__(self, config: RoleConfig):
+        import torch.distributed as dist
+
+        from executor.device import shared_mesh
+        from executor.hybrid_engine import make_engine
+        from executor.trainer import compute_dtype
+
+        assert config.generation is not None and config.sampling is not None
+        self.config = config
+        self.tp = config.generation.tp
+        mesh = shared_mesh((dist.get_world_size() // self.tp, self.tp), ("replica", "gen_tp"))
+        self.tp_rank = mesh.get_local_rank("gen_tp")
+        self.replica = mesh.get_local_rank("replica")
+        self.dtype = compute_dtype(config.dtype)
+        self.engine = make_engine(config.spec, config.generation, config.generation_backend,
+                                  seed=config.seed, tp_group=mesh.get_group("gen_tp"),
+                                  tp_rank=self.tp_rank,
+                                  kv_cache_budget_bytes=config.kv_cache_budget_bytes,
+                                  dtype=self.dtype)
+        self.sync: SyncGroup | None = None
+        self.last_transition = None
+        self.syncs = 0
+        """Weight syncs received (0: no weights yet)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        return {"params": self.engine.weight_bytes() if self.syncs else 0}
+
+    def join_weight_sync(self, batch: Batch) -> Batch:
+        """Join the sync group as a receiver (sync rank 1 + this rank)."""
+        import torch.distributed as dist
+
+        self.sync = SyncGroup(batch.meta["address"], 1 + dist.get_rank(),
+                              int(batch.meta["members"]))
+        return Batch(meta={"joined": 1.0})
+
+    @protocol(Protocol.ONE_TO_ALL)
+    def receive_weights(self, batch: Batch) -> Batch:
+        """Receive the trainer's tensors, keep this rank's generation shards, load them."""
+        from executor.generation import tp_shard_dim
+
+        assert self.sync is not None, "the sync group is not formed"
+
+        def keep(name: str, whole: torch.Tensor) -> torch.Tensor:
+            dim = tp_shard_dim(name)
+            if dim is None or self.tp == 1:
+                return whole
+            return whole.chunk(self.tp, dim=dim)[self.tp_rank].clone()
+
+        weights, stats = receive(weight_manifest(self.config.spec), self.sync, self.dtype,
+                                 keep)
+        self.engine.load(weights)
+        self.syncs += 1
+        return Batch(meta=stats)
+
+    @protocol(Protocol.MICRO_DP)
+    def generate(self, batch: Batch) -> Batch:
+        """Responses for this replica's prompts with the weights of the last sync."""
+        if not self.syncs:
+            raise RuntimeError("the rollout set has no weights yet (no sync received)")
+        return sample(self.engine, self.config, self.replica, batch)
+
+    def whole_weights(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """This rank's generation weights as loaded (whole tensors at generation tp 1)."""
+        return {name: w.cpu() for name, w in self.engine.weights.items()}
+
+
+ROLE_CLASSES: dict[str, type[Role] | type[RolloutRole]] = {
     "actor": ActorRole, "critic": CriticRole, "ref": ReferenceRole, "reward": RewardRole,
-    "cost": RewardRole,
+    "cost": RewardRole, "rollout": RolloutRole,
 }
 
 

@@ -18,6 +18,14 @@ from simulator.predict import VALUE_HEAD_ROLES
 from simulator.specs.job import JobSpec
 
 SUPPORTED_ALGORITHMS = ("ppo", "grpo", "remax", "safe-rlhf")
+EXECUTABLE_MODES = ("sync", "one_step_off")
+"""Plan modes the executor runs (``simulator/specs/asynchrony.py``); ``async`` (streaming
+rollouts) is planned, not run."""
+
+
+def plan_gpus(plan: Plan) -> int:
+    """GPUs a run of ``plan`` takes: its training sets and its rollout set."""
+    return sum(s.gpus for s in plan.located_sets())
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -119,9 +127,16 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     if job.algorithm not in SUPPORTED_ALGORITHMS:
         raise SpecError(f"the executor runs {', '.join(SUPPORTED_ALGORITHMS)}; "
                         f"{job.algorithm} is planned but not executable yet", key="algorithm")
+    if plan.mode not in EXECUTABLE_MODES:
+        raise SpecError(f"the executor runs {' and '.join(EXECUTABLE_MODES)} plans; "
+                        f"{plan.mode_label()} (streaming rollouts) is planned but not "
+                        "executable yet", key="mode")
     plan.validate(job)
     compute_dtype(job.workload.dtype)
     chosen_backends = effective_backends(job, plan)
+    if plan.rollout is not None and chosen_backends["actor"][1] != "native":
+        raise SpecError("a rollout set runs the native generation backend (vLLM generates on "
+                        "the actor's training GPUs only)", key="backends.actor.generation")
     checkpoints = effective_checkpoints(job, options)
     check_checkpoints(job, checkpoints)
     task = prepare_task(job, options, checkpoints, chosen_backends)
@@ -143,7 +158,8 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
         else:
             check_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
                          generation=rp.generation)
-        if rp.generation is not None and rp.parallel.tp % rp.generation.tp:
+        if rp.generation is not None and plan.rollout is None and \
+                rp.parallel.tp % rp.generation.tp:
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "
                             f"tp={rp.parallel.tp} (3D-HybridEngine)",
                             key=f"roles.{role}.generation.tp")
@@ -370,12 +386,25 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions,
             offload_optimizer=trainable and offload.optimizer,
             offload_grads=trainable and offload.grads)
     # The reference starts as a copy of the actor: same seed, same model.
+    from dataclasses import replace
+
     if "ref" in configs and "actor" in configs and \
             job.model("ref") == job.model("actor"):
-        from dataclasses import replace
-
         configs["ref"] = replace(configs["ref"], seed=configs["actor"].seed,
                                  checkpoint=checkpoints.get("ref", checkpoints.get("actor")))
+    if plan.rollout is not None:
+        # One-step-off: the actor trains without a generation engine; the rollout set holds
+        # its generation replicas (the same seed: the same draws as on the training GPUs).
+        from simulator.specs.parallel import ParallelConfig
+
+        actor = configs["actor"] = replace(configs["actor"], rollout=True)
+        gen = actor.generation
+        assert gen is not None
+        configs["rollout"] = replace(
+            actor, role="rollout", trainable=False, checkpoint=None,
+            parallel=ParallelConfig(tp=gen.tp, dp=plan.rollout.gpus // gen.tp,
+                                    sequence_parallel=False),
+            offload_optimizer=False, offload_grads=False)
     return configs
 
 
@@ -412,7 +441,7 @@ def _start_ray(plan: Plan, address: str | None,
     else:
         import torch
 
-        gpus = plan.total_gpus
+        gpus = plan_gpus(plan)
         # Virtual GPUs where there are none: placement groups, bundles, fractional GPUs and
         # CUDA_VISIBLE_DEVICES then behave as on a GPU cluster. Real GPUs are Ray's to count.
         real_gpus = torch.cuda.device_count()
@@ -423,11 +452,11 @@ def _start_ray(plan: Plan, address: str | None,
                                            "PYTHONPATH": os.pathsep.join(_python_path())}})
         started = True
     available = ray.cluster_resources().get("GPU", 0)
-    if available < plan.total_gpus:
+    if available < plan_gpus(plan):
         if started:
             ray.shutdown()
         where = "the Ray cluster at --address" if address else "this machine"
-        raise SpecError(f"the plan needs {plan.total_gpus} GPUs, {where} has {available:g}",
+        raise SpecError(f"the plan needs {plan_gpus(plan)} GPUs, {where} has {available:g}",
                         key="--address" if address else "sets")
     return ray, started
 

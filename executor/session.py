@@ -14,6 +14,12 @@ meets.
   cost; the records roll back to the checkpoint's, so no row is lost or written twice.
 - **Interrupt** (SIGINT): the workers end, Ray stops if the run started it, the records of
   the finished iterations are written beside the last checkpoint.
+- **One-step-off** plans: the rollout set is one more worker group (after the training
+  sets) holding the actor's generation replicas; a sync group joins it to the trainer's
+  actor (``executor.weight_sync``) and the rollout set receives the weights at the start, after
+  a restore, and after every update (``executor.drivers``). A resumed one-step-off run
+  generates its first batch after the checkpoint with the restored weights (the
+  uninterrupted run had it in flight with the weights one update older).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from executor.run import (
     effective_backends,
     effective_checkpoints,
     hf_tokenizer_files,
+    plan_gpus,
     role_configs,
     validate_for_execution,
 )
@@ -134,16 +141,21 @@ class RunSession:
         self.node_map = map_plan_nodes(plan, job.cluster.gpus_per_node,
                                        gpu_nodes(self.ray.nodes()),
                                        local=options.address is None)
+        # The training sets, then the rollout set of a one-step-off plan.
         self.groups = [WorkerGroup(self.ray, i, s, options.worker_setup,
                                    self.node_map.bundle_nodes(plan, i,
                                                               job.cluster.gpus_per_node))
-                       for i, s in enumerate(plan.sets)]
+                       for i, s in enumerate(plan.located_sets())]
         self.worker_code = self.ray.get(self.groups[0].workers[0].code_location.remote())
         for role in job.gpu_roles:
             tp = plan.roles[role].parallel.tp
             if tp > 1:
                 self.groups[plan.set_index(role)].check_groups_share_nodes(
                     tp, f"{role}'s tp={tp}")
+        rollout_generation = plan.roles["actor"].generation if plan.rollout else None
+        if rollout_generation is not None and rollout_generation.tp > 1:
+            self.groups[-1].check_groups_share_nodes(
+                rollout_generation.tp, f"the rollout's generation tp={rollout_generation.tp}")
         for group in self.groups:
             for role in group.colocated.roles:
                 group.build(self.configs[role])
@@ -157,6 +169,14 @@ class RunSession:
             names = {m: f"{role}.{op}" for m, op in NODE_NAMES.items()}
             self.handles[role] = RoleHandle(self.groups[plan.set_index(role)], role, layout,
                                             self.records.append, names)
+        if rollout_generation is not None:
+            gpus, tp = self.groups[-1].colocated.gpus, rollout_generation.tp
+            # Whole generation replicas: micro-DP is one replica per tp group.
+            self.handles["rollout"] = RoleHandle(
+                self.groups[-1], "rollout", RankLayout(world=gpus, dp=gpus // tp, tp=tp,
+                                                       gen_tp=tp),
+                self.records.append, {m: f"actor.{op}" for m, op in NODE_NAMES.items()},
+                label="actor")
         work = job.workload
         self.ctx = Context(handles=self.handles, task=self.task, rl=self.configs["actor"].rl,
                            prompts_per_iteration=work.prompts_per_iteration,
@@ -167,8 +187,37 @@ class RunSession:
                            reward_function=None if job.reward_function is None else
                            load_reward_function(job.reward_function.path,
                                                 job.reward_function.name),
-                           generator=torch.Generator().manual_seed(options.seed))
+                           generator=torch.Generator().manual_seed(options.seed),
+                           mode=plan.mode, steps=options.steps)
         self.ctx.records = self.records
+        if rollout_generation is not None:
+            self.form_weight_sync()
+            self.sync_rollout()
+
+    def form_weight_sync(self) -> None:
+        """The sync group: the trainer actor's rank 0 and every rollout rank, over a store on
+        that rank 0 (``executor.weight_sync``)."""
+        from executor.batch import Batch
+
+        trainer, rollout = self.groups[self.plan.set_index("actor")], self.groups[-1]
+        members = 1 + len(rollout.workers)
+        one_node = len(set(trainer.nodes[:1] + rollout.nodes)) == 1
+        host = "127.0.0.1" if one_node else trainer.addresses[0]
+        opened, _ = self.ray.get(trainer.workers[0].call.remote(
+            "actor", "open_weight_sync", Batch(meta={"host": host, "members": members})))
+        meta = Batch(meta={"address": f"{host}:{opened.meta['port']}", "members": members})
+        self.ray.get([w.call.remote("actor", "join_weight_sync", meta)
+                      for w in trainer.workers]
+                     + [w.call.remote("rollout", "join_weight_sync", meta)
+                        for w in rollout.workers])
+
+    def sync_rollout(self) -> None:
+        """The trainer's current weights to the rollout set, outside any iteration (at the
+        start and after a restore)."""
+        from executor.drivers import sync_weights
+
+        sync_weights(self.ctx)
+        self.records.clear()
 
     def stop_workers(self) -> None:
         for group in self.groups:
@@ -236,6 +285,8 @@ class RunSession:
             for role in self.trained]
         for call in pending:
             call.result()
+        if "rollout" in self.handles:
+            self.sync_rollout()
         self.records.clear()
         self.ctx.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
         self.ctx.multiplier = state.get("multiplier", self.ctx.multiplier)
@@ -255,7 +306,7 @@ class RunSession:
         from executor.records import machine, versions
 
         options, job, task = self.options, self.job, self.task
-        return {"plan": self.plan.to_value(), "job": job.to_value(),
+        return {"plan": self.plan.to_value(), "job": job.to_value(), "mode": self.plan.mode,
                 "options": {"steps": options.steps, "seed": options.seed,
                             "transition": options.transition,
                             "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
@@ -348,8 +399,9 @@ class RunSession:
         from executor.reward_function import RewardFunctionError
 
         options, job = self.options, self.job
-        self.say(f"starting {self.plan.total_gpus} workers in {len(self.plan.sets)} "
-                 "colocated set(s)")
+        self.say(f"starting {plan_gpus(self.plan)} workers in {len(self.plan.sets)} "
+                 "colocated set(s)"
+                 + (f" and a rollout set ({self.plan.mode})" if self.plan.rollout else ""))
         if job.framework_profile.offload.params:
             self.say(f"the {job.framework} profile also offloads parameters; the executor "
                      "keeps them on the GPUs (it offloads optimizer states and gradients)")
@@ -433,7 +485,7 @@ class RunSession:
         """One iteration, its records, and what follows it (a checkpoint, a validation, a
         Hugging Face export); False when the data is used up."""
         from executor.data import DataExhaustedError
-        from executor.drivers import DRIVERS, validation_scores
+        from executor.drivers import run_iteration, validation_scores
         from executor.records import measurement_rows
 
         options, plan = self.options, self.plan
@@ -441,7 +493,7 @@ class RunSession:
         start = time.time()
         position = self.task.cursor.state if self.job.data is not None else None
         try:
-            summary = DRIVERS[self.job.algorithm](self.ctx, iteration)
+            summary = run_iteration(self.ctx, self.job.algorithm, iteration)
         except DataExhaustedError as exhausted:
             self.say(f"{exhausted}: the run ends after {iteration} iteration(s)")
             return False
@@ -451,7 +503,7 @@ class RunSession:
         tokens = sum(r.tokens for r in self.records if r.operation == "generate")
         rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
                      "operation": "iteration", "location": -1, "set": "controller",
-                     "gpus": plan.total_gpus, "parallel": plan.placement,
+                     "gpus": plan_gpus(plan), "parallel": plan.placement,
                      "sequences": 0, "tokens": tokens,
                      "start_seconds": start - self.origin, "end_seconds": end - self.origin,
                      "wall_seconds": end - start, "compute_seconds": None,

@@ -822,10 +822,10 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     if steps is None:
         raise SpecError("give --steps N", key="--steps")
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
-    if plan_file.mode != "sync":
-        raise SpecError(f"the executor runs synchronous plans; this plan runs "
-                        f"{plan_file.mode_label()} (plan it with mode: sync to run it here, or "
-                        "export it to verl with `hybridflow export`)", key="mode",
+    if plan_file.mode not in ("sync", "one_step_off"):
+        raise SpecError(f"the executor runs sync and one_step_off plans; this plan runs "
+                        f"{plan_file.mode_label()} (plan it with another mode to run it here, "
+                        "or export it to verl with `hybridflow export`)", key="mode",
                         source=str(plan_path))
     if not job.cluster.is_homogeneous:
         # The executor maps a plan's GPUs onto one kind of node; mixed clusters are planned.
@@ -900,8 +900,10 @@ def _run_and_report(job: Any, plan_file: Any, options: Any, source: str,
     else:
         ran = len(summary["iteration_seconds"])
         mean = sum(summary["iteration_seconds"]) / max(ran, 1)
+        where = f"{plan_file.total_gpus} GPUs" if plan_file.rollout is None else \
+            f"{plan_file.total_gpus}+{plan_file.rollout.gpus} GPUs, {plan_file.mode}"
         click.echo(f"ran {ran} iterations of {job.algorithm.upper()} on {plan_file.placement} "
-                   f"({plan_file.total_gpus} GPUs) in {result.seconds:.1f} s, {mean:.2f} s per "
+                   f"({where}) in {result.seconds:.1f} s, {mean:.2f} s per "
                    f"iteration; score {summary['rule_score'][0]:.3f} -> "
                    f"{summary['rule_score'][-1]:.3f}")
         click.echo(f"records: {run_dir}/measurements.csv, metrics.csv, meta.json, trace.json")
