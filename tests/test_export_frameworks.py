@@ -156,7 +156,7 @@ def openrlhf_parse(arguments: list[str]):
 
 
 @pytest.mark.parametrize(("name", "which"), [("ppo-fsdp", "colocate"),
-                                             ("grpo-async", "searched")])
+                                             ("grpo-async-fsdp", "searched")])
 def test_openrlhf_parses_and_checks_the_export(name: str, which: str) -> None:
     plan = strategy(name, which)
     files = openrlhf_files(plan, job_of(plan))
