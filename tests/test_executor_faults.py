@@ -122,7 +122,10 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(grpo_two_gpu_files: tuple[Path
          "--steps", "200", "--out", str(out), "--reward-warmup", "0",
          "--checkpoint-every", "2"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        start_new_session=True,
+        # As from a terminal: a suite started in the background by a non-interactive shell
+        # inherits SIGINT ignored, and Python then installs no Ctrl-C handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     deadline = time.time() + 600
     assert process.stderr is not None
