@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import simpy
 
-from simulator.engine import SimulationResult, TimelineEvent, _result
+from simulator.engine import SimulationResult, TimelineEvent, _lane, _result
 from simulator.plan import ROLLOUT_LABEL, Plan
 from simulator.predict import CONTROLLER_LOCATION, PlanEstimate
 from simulator.schedule import Step, dataflow_steps, makespan
@@ -141,20 +141,12 @@ def simulate_async(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
     versions: list[int] = []
     syncs_ended = [0]
 
-    def lane(location: int) -> str:
-        if location == CONTROLLER_LOCATION:
-            return "controller"
-        label = plan.located_sets()[location].label()
-        if job.cluster.is_homogeneous:
-            return label
-        return f"{label} ({job.cluster.device_of(plan.located_sets()[location].node_group)})"
-
     def record(iteration: int, location: int, role: str, operation: str, node: str,
                kind: str, start: float, end: float) -> None:
         gpus = 0 if location == CONTROLLER_LOCATION else plan.located_sets()[location].gpus
         events.append(TimelineEvent(
             iteration=iteration, location=location,
-            lane="network" if kind == "transfer" else lane(location), role=role,
+            lane="network" if kind == "transfer" else _lane(plan, location, job), role=role,
             operation=operation, node=node, kind=kind,  # type: ignore[arg-type]
             start=start, end=end, gpus=gpus))
 

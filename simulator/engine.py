@@ -76,10 +76,11 @@ class SimulationResult:
 
 
 def _lane(plan: Plan, location: int, job: JobSpec | None = None) -> str:
-    """The timeline lane of a location: the set's roles (and its device on a mixed cluster)."""
+    """The timeline lane of a location: the set's roles, or 'rollout' for an asynchronous
+    plan's rollout set (and its device on a mixed cluster)."""
     if location == CONTROLLER_LOCATION:
         return "controller"
-    s = plan.sets[location]
+    s = plan.located_sets()[location]
     if job is None or job.cluster.is_homogeneous:
         return s.label()
     return f"{s.label()} ({job.cluster.device_of(s.node_group)})"

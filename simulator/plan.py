@@ -30,6 +30,16 @@ PLAN_VERSION = 1
 """Bump when the schema changes incompatibly; readers reject other versions with a message."""
 
 
+def check_location(gpus: int, first_gpu: int, node_group: int) -> None:
+    """Raise SpecError (naming the key) for a set's GPU count, first GPU or node group."""
+    if gpus < 1:
+        raise SpecError(f"must be a positive integer, got {gpus}", key="gpus")
+    if first_gpu < 0:
+        raise SpecError("must be >= 0", key="first_gpu")
+    if node_group < 0:
+        raise SpecError("must be >= 0 (an index into cluster.node_groups)", key="node_group")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ColocatedSet:
     """Models that share the same GPUs (and, on those GPUs, one worker process per GPU)."""
@@ -47,13 +57,7 @@ class ColocatedSet:
     def __post_init__(self) -> None:
         if not self.roles:
             raise SpecError("a colocated set needs at least one role", key="roles")
-        if self.gpus < 1:
-            raise SpecError(f"must be a positive integer, got {self.gpus}", key="gpus")
-        if self.first_gpu < 0:
-            raise SpecError("must be >= 0", key="first_gpu")
-        if self.node_group < 0:
-            raise SpecError("must be >= 0 (an index into cluster.node_groups)",
-                            key="node_group")
+        check_location(self.gpus, self.first_gpu, self.node_group)
 
     def label(self) -> str:
         return ",".join(self.roles)
@@ -78,13 +82,7 @@ class RolloutSet:
     """Index in the job's ``cluster.node_groups`` of its group."""
 
     def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise SpecError(f"must be a positive integer, got {self.gpus}", key="gpus")
-        if self.first_gpu < 0:
-            raise SpecError("must be >= 0", key="first_gpu")
-        if self.node_group < 0:
-            raise SpecError("must be >= 0 (an index into cluster.node_groups)",
-                            key="node_group")
+        check_location(self.gpus, self.first_gpu, self.node_group)
 
     def as_set(self) -> ColocatedSet:
         """The rollout set as a colocated set of the actor's generation (for the GPU range
@@ -376,15 +374,7 @@ class Plan:
         to lie inside: the weights arrive by the sync after each update)."""
         assert self.rollout is not None
         gpus_per_node = job.cluster.pool_of(self.rollout.node_group).group.gpus_per_node
-        if gen.tp > gpus_per_node:
-            raise SpecError(f"tp={gen.tp} is larger than a node ({gpus_per_node} GPUs)",
-                            key=f"{key}.tp")
-        if model.heads % gen.tp:
-            raise SpecError(f"tp={gen.tp} does not divide the {model.heads} attention heads",
-                            key=f"{key}.tp")
-        if model.layers % gen.pp:
-            raise SpecError(f"pp={gen.pp} does not divide the {model.layers} layers",
-                            key=f"{key}.pp")
+        gen.check_shape(model, gpus_per_node=gpus_per_node, key=key)
         if self.rollout.gpus % gen.model_parallel_size:
             raise SpecError(f"the rollout set's {self.rollout.gpus} GPUs do not hold whole "
                             f"replicas of tp*pp={gen.model_parallel_size}", key="rollout.gpus")

@@ -139,15 +139,7 @@ class GenerationConfig:
     def check(self, model: ModelSpec, train: ParallelConfig, *, gpus_per_node: int,
               key: str = "generation") -> None:
         """Raise SpecError if the generation layout does not fit the training layout."""
-        if self.tp > gpus_per_node:
-            raise SpecError(f"tp={self.tp} is larger than a node ({gpus_per_node} GPUs)",
-                            key=f"{key}.tp")
-        if model.heads % self.tp:
-            raise SpecError(f"tp={self.tp} does not divide the {model.heads} attention heads",
-                            key=f"{key}.tp")
-        if model.layers % self.pp:
-            raise SpecError(f"pp={self.pp} does not divide the {model.layers} layers",
-                            key=f"{key}.pp")
+        self.check_shape(model, gpus_per_node=gpus_per_node, key=key)
         shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
         if shards % self.model_parallel_size:
             raise SpecError(
@@ -158,6 +150,21 @@ class GenerationConfig:
         if train.sharding != "fsdp" and (train.tp % self.tp or train.pp % self.pp):
             raise SpecError(f"generation tp={self.tp}, pp={self.pp} must divide training "
                             f"tp={train.tp}, pp={train.pp}", key=f"{key}.tp")
+
+    def check_shape(self, model: ModelSpec, *, gpus_per_node: int,
+                    key: str = "generation") -> None:
+        """Raise SpecError if ``model`` cannot be cut into this layout on nodes of
+        ``gpus_per_node`` (tensor parallelism within a node, dividing the heads; pipeline
+        stages dividing the layers)."""
+        if self.tp > gpus_per_node:
+            raise SpecError(f"tp={self.tp} is larger than a node ({gpus_per_node} GPUs)",
+                            key=f"{key}.tp")
+        if model.heads % self.tp:
+            raise SpecError(f"tp={self.tp} does not divide the {model.heads} attention heads",
+                            key=f"{key}.tp")
+        if model.layers % self.pp:
+            raise SpecError(f"pp={self.pp} does not divide the {model.layers} layers",
+                            key=f"{key}.pp")
 
     def short(self) -> str:
         return f"gen-pp{self.pp}-tp{self.tp}"
