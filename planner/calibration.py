@@ -25,6 +25,7 @@ import pandas as pd
 
 from profiles.datafile import SpecError, read_mapping, read_text_file
 from profiles.device import DeviceProfile, Provenance, register_profile
+from profiles.framework import FixedCosts, load_framework
 from simulator.engine import iteration_seconds
 from simulator.plan import Plan, plan_from_mapping
 from simulator.predict import estimate_plan
@@ -180,8 +181,10 @@ def load_run(directory: str | Path) -> Run:
                prompt_tokens=prompts)
 
 
-def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> JobSpec:
-    """The job as iteration ``iteration`` of ``run`` ran it, on ``profile``."""
+def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str, *,
+                  fixed_costs: FixedCosts | None = None) -> JobSpec:
+    """The job as iteration ``iteration`` of ``run`` ran it, on ``profile`` (with
+    ``fixed_costs`` in place of its framework profile's, when given)."""
     counts = run.length_counts.get(iteration)
     if not counts:
         raise SpecError(f"no response lengths for iteration {iteration}",
@@ -201,7 +204,7 @@ def iteration_job(run: Run, iteration: int, profile: DeviceProfile | str) -> Job
     # An executor run is this project's executor's behaviour, whatever framework the job was
     # planned for; a verl log's is the job's framework.
     return replace(run.job, workload=workload, cluster=replace(cluster, node_groups=(group,)),
-                   framework=run.framework)
+                   framework=run.framework, framework_fixed_costs=fixed_costs)
 
 
 def _rule_seconds_per_sample(run: Run, iteration: int) -> float | None:
@@ -239,9 +242,10 @@ def _measured_stages(run: Run, iteration: int) -> dict[str, float]:
     return stages
 
 
-def predicted_stages(run: Run, iteration: int, profile: DeviceProfile) -> dict[str, float]:
+def predicted_stages(run: Run, iteration: int, profile: DeviceProfile, *,
+                     fixed_costs: FixedCosts | None = None) -> dict[str, float]:
     """The simulator's seconds for every stage of one iteration, and for the iteration."""
-    job = iteration_job(run, iteration, profile)
+    job = iteration_job(run, iteration, profile, fixed_costs=fixed_costs)
     estimate = estimate_plan(job, run.plan)
     predicted = {name: n.seconds for name, n in estimate.nodes.items()}
     if estimate.transition is not None:
@@ -250,15 +254,17 @@ def predicted_stages(run: Run, iteration: int, profile: DeviceProfile) -> dict[s
     return predicted
 
 
-def predict(run: Run, profile: DeviceProfile, *, skip: int = 1) -> list[dict[str, Any]]:
+def predict(run: Run, profile: DeviceProfile, *, skip: int = 1,
+            fixed_costs: FixedCosts | None = None) -> list[dict[str, Any]]:
     """Predicted and measured seconds of every stage and iteration of ``run`` (from iteration
-    ``skip`` on; the first iterations pay one-off start-up costs)."""
+    ``skip`` on; the first iterations pay one-off start-up costs), with ``fixed_costs`` in
+    place of the framework profile's when given."""
     rows = []
     backends = _backends(run)
     for iteration in sorted(run.length_counts):
         if iteration < skip:
             continue
-        predicted = predicted_stages(run, iteration, profile)
+        predicted = predicted_stages(run, iteration, profile, fixed_costs=fixed_costs)
         for node, measured in _measured_stages(run, iteration).items():
             if node not in predicted or measured <= 0:
                 continue  # nothing ran (a transition with nothing to gather)
@@ -308,15 +314,19 @@ def _backends(run: Run) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Parameter:
-    """A free parameter of a profile: how to read it and how to set it."""
+    """A free parameter of a profile: how to read it and how to set it. A device parameter
+    reads and sets a ``DeviceProfile``; a framework parameter the framework profile's
+    ``FixedCosts``."""
 
     name: str
-    get: Callable[[DeviceProfile], float]
-    set: Callable[[DeviceProfile, float], DeviceProfile]
+    get: Callable[[Any], float]
+    set: Callable[[Any, float], Any]
     lower: float
     upper: float
     initial: float
     """Starting point when the profile's value is 0 (fitting happens in log space)."""
+    target: str = "device"
+    """'device' (the GPU profile) or 'framework' (the framework profile's fixed costs)."""
 
 
 def _overhead(name: str, initial: float) -> Parameter:
@@ -346,7 +356,31 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
     _correction("prefill_compute"), _correction("decode"), _correction("collective"),
     _correction("train_collective"),
 )}
-"""Every parameter ``calibrate`` can fit (``--fit`` chooses a subset)."""
+"""Every device-profile parameter ``calibrate`` can fit (``--fit`` chooses a subset)."""
+
+
+FRAMEWORK_PREFIX = "framework."
+
+
+def _fixed_cost(name: str, initial: float) -> Parameter:
+    return Parameter(
+        name=FRAMEWORK_PREFIX + name, get=lambda f: getattr(f, name),
+        set=lambda f, v: replace(f, **{name: v}), lower=1e-8, upper=10.0, initial=initial,
+        target="framework")
+
+
+FRAMEWORK_PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
+    _fixed_cost("call_seconds", 1e-2), _fixed_cost("optimizer_step_seconds", 1e-2),
+    _fixed_cost("micro_batch_seconds", 1e-3), _fixed_cost("iteration_seconds", 1e-1),
+)}
+"""The framework profile's fixed costs ``calibrate --fit framework.NAME`` can fit; the fit
+writes them to a framework profile (``--framework-out``) that names the runs' framework as
+its base."""
+
+SAME_TERM = {"framework.call_seconds": "call_seconds",
+             "framework.optimizer_step_seconds": "iteration_seconds"}
+"""Framework fixed costs that add to the same term as a device overhead: fitting both would
+leave their split undetermined."""
 
 
 @dataclass(frozen=True)
@@ -367,12 +401,21 @@ class CalibrationResult:
     """Root mean square of the weighted log errors the fit minimises, at the base profile."""
     objective_after: float = 0.0
     """...and at the fitted profile (never larger: the fit starts at the base)."""
+    framework: str | None = None
+    """The runs' framework profile, when framework fixed costs were fitted."""
+    fixed_costs: FixedCosts | None = None
+    """The fitted fixed costs of that framework (the rest of it is unchanged)."""
 
 
-def _apply(profile: DeviceProfile, params: Sequence[Parameter], x: np.ndarray) -> DeviceProfile:
+def _apply(profile: DeviceProfile, params: Sequence[Parameter], x: np.ndarray,
+           fixed: FixedCosts | None = None) -> tuple[DeviceProfile, FixedCosts | None]:
+    """The device profile and framework fixed costs with ``params`` set to ``exp(x)``."""
     for param, value in zip(params, np.exp(x), strict=True):
-        profile = param.set(profile, float(value))
-    return profile
+        if param.target == "framework":
+            fixed = param.set(fixed, float(value))
+        else:
+            profile = param.set(profile, float(value))
+    return profile, fixed
 
 
 FLOOR_SECONDS = 1e-3
@@ -380,19 +423,21 @@ FLOOR_SECONDS = 1e-3
 microseconds (a transition with nothing to gather) must not outweigh the seconds that matter."""
 
 
-def _log_errors(runs: Sequence[Run], profile: DeviceProfile, skip: int) -> np.ndarray:
+def _log_errors(runs: Sequence[Run], profile: DeviceProfile, skip: int,
+                fixed: FixedCosts | None = None) -> np.ndarray:
     errors = []
     for run in runs:
-        for row in predict(run, profile, skip=skip):
+        for row in predict(run, profile, skip=skip, fixed_costs=fixed):
             weight = 2.0 if row["node"] == "iteration" else 1.0
             errors.append(weight * math.log((row["predicted_seconds"] + FLOOR_SECONDS)
                                             / (row["measured_seconds"] + FLOOR_SECONDS)))
     return np.array(errors)
 
 
-def _rms_relative(runs: Sequence[Run], profile: DeviceProfile, skip: int) -> float:
+def _rms_relative(runs: Sequence[Run], profile: DeviceProfile, skip: int,
+                  fixed: FixedCosts | None = None) -> float:
     """Relative RMS error of stage and iteration times (with the same floor)."""
-    rows = [r for run in runs for r in predict(run, profile, skip=skip)]
+    rows = [r for run in runs for r in predict(run, profile, skip=skip, fixed_costs=fixed)]
     return float(np.sqrt(np.mean([
         ((r["predicted_seconds"] - r["measured_seconds"])
          / (r["measured_seconds"] + FLOOR_SECONDS)) ** 2 for r in rows])))
@@ -420,24 +465,37 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
         raise SpecError(f"skipping the first {skip} iteration(s) leaves nothing to fit (the "
                         f"longest run has {longest})", key="--skip")
     chosen = list(fit) if fit else [k for k in PARAMETERS if k != "call_seconds"]
-    if "call_seconds" not in chosen:
+    every = {**PARAMETERS, **FRAMEWORK_PARAMETERS}
+    for key in chosen:
+        if key not in every:
+            raise SpecError(f"unknown parameter {key!r} (allowed: {', '.join(every)})",
+                            key="--fit")
+    for key, device_key in SAME_TERM.items():
+        if key in chosen and device_key in chosen:
+            raise SpecError(f"{key} and {device_key} add to the same term: fit one of them",
+                            key="--fit")
+    fits_framework = any(k in FRAMEWORK_PARAMETERS for k in chosen)
+    framework = _runs_framework([*runs, *held_out]) if fits_framework else None
+    base_fixed = load_framework(framework).fixed_costs if framework else None
+    if "call_seconds" not in chosen and "framework.call_seconds" not in chosen:
         # Measured, not fitted: the controller's dispatch + collect of calls that did not
         # wait behind another call on their set (generations and updates).
         base = PARAMETERS["call_seconds"].set(base, measured_call_seconds(runs))
-    for key in chosen:
-        if key not in PARAMETERS:
-            raise SpecError(f"unknown parameter {key!r} (allowed: {', '.join(PARAMETERS)})",
-                            key="--fit")
-    params = [PARAMETERS[k] for k in chosen]
-    x0 = np.log([p.get(base) if p.get(base) > 0 else p.initial for p in params])
+    params = [every[k] for k in chosen]
+
+    def value_of(param: Parameter) -> float:
+        return param.get(base_fixed if param.target == "framework" else base)
+
+    x0 = np.log([value_of(p) if value_of(p) > 0 else p.initial for p in params])
     lower = np.log([p.lower for p in params])
     upper = np.log([p.upper for p in params])
     x0 = np.clip(x0, lower + 1e-9, upper - 1e-9)
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        return _log_errors(runs, _apply(base, params, x), skip)
+        profile, fixed = _apply(base, params, x, base_fixed)
+        return _log_errors(runs, profile, skip, fixed)
 
-    before = _rms_relative(runs, base, skip)
+    before = _rms_relative(runs, base, skip, base_fixed)
     start = residuals(x0)
     unconstrained = []
     for i, param in enumerate(params):
@@ -449,12 +507,13 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
         raise SpecError(
             f"the runs do not constrain {', '.join(unconstrained)}: no measured stage changes "
             "when it doubles (collective needs runs with tp or dp > 1; decode_step_seconds "
-            "needs generation). Leave it out with --fit "
+            "needs generation; framework.iteration_seconds the controller's stage or the whole "
+            "step). Leave it out with --fit "
             + ",".join(p.name for p in params if p.name not in unconstrained), key="--fit")
     solution = least_squares(residuals, x0, bounds=(lower, upper), x_scale="jac",
                              diff_step=1e-3, max_nfev=200)
-    fitted = _apply(base, params, solution.x)
-    after = _rms_relative(runs, fitted, skip)
+    fitted, fitted_fixed = _apply(base, params, solution.x, base_fixed)
+    after = _rms_relative(runs, fitted, skip, fitted_fixed)
     objective_before = float(np.sqrt(np.mean(start ** 2)))
     objective_after = float(np.sqrt(np.mean(residuals(solution.x) ** 2)))
     values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
@@ -465,13 +524,13 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
             at_bounds[param.name] = "lower"
         elif x >= high - margin:
             at_bounds[param.name] = "upper"
-    if "call_seconds" not in values:
+    if "call_seconds" not in values and "framework.call_seconds" not in values:
         values["call_seconds (measured)"] = fitted.overheads.call_seconds
     held_before = held_after = None
     accuracy_record: dict[str, float] = {}
     if held_out:
-        held_before = accuracy(held_out, base, skip=skip)
-        held_after = accuracy(held_out, fitted, skip=skip)
+        held_before = accuracy(held_out, base, skip=skip, fixed_costs=base_fixed)
+        held_after = accuracy(held_out, fitted, skip=skip, fixed_costs=fitted_fixed)
         if held_after["median_abs_error_pct"] > held_before["median_abs_error_pct"]:
             raise SpecError(
                 f"refusing to write the fit: on the {len(held_out)} held-out run(s) its median "
@@ -507,7 +566,17 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
                              rows=sum(len(predict(r, base, skip=skip)) for r in runs),
                              runs=tuple(str(r.path) for r in runs), at_bounds=at_bounds,
                              held_out_before=held_before, held_out_after=held_after,
-                             objective_before=objective_before, objective_after=objective_after)
+                             objective_before=objective_before, objective_after=objective_after,
+                             framework=framework, fixed_costs=fitted_fixed)
+
+
+def _runs_framework(runs: Sequence[Run]) -> str:
+    """The one framework profile that ran ``runs`` (fixed costs are a framework's own)."""
+    frameworks = sorted({run.framework for run in runs})
+    if len(frameworks) != 1:
+        raise SpecError(f"the runs were made by different frameworks ({', '.join(frameworks)}): "
+                        "fit a framework's fixed costs on its own runs", key="--fit")
+    return frameworks[0]
 
 
 def measured_call_seconds(runs: Sequence[Run]) -> float:
@@ -553,7 +622,8 @@ def _signed_summary(errors: Sequence[float]) -> dict[str, float]:
             "bias_pct": float(np.mean(values))}
 
 
-def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> dict[str, Any]:
+def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1,
+             fixed_costs: FixedCosts | None = None) -> dict[str, Any]:
     """Per-stage, per-iteration and per-plan error of ``profile`` on ``runs``; Kendall tau
     between measured and predicted iteration times across plans.
 
@@ -564,7 +634,7 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
     """
     from scipy.stats import kendalltau
 
-    rows = [r for run in runs for r in predict(run, profile, skip=skip)]
+    rows = [r for run in runs for r in predict(run, profile, skip=skip, fixed_costs=fixed_costs)]
     if not rows:
         raise SpecError("the runs have no iterations to compare (fewer than --skip + 1?)",
                         key="runs")
@@ -619,5 +689,5 @@ def accuracy(runs: Sequence[Run], profile: DeviceProfile, *, skip: int = 1) -> d
     }
 
 
-__all__ = ["PARAMETERS", "CalibrationResult", "Run", "accuracy", "calibrate", "load_run",
-           "plan_groups", "predict", "predicted_stages"]
+__all__ = ["FRAMEWORK_PARAMETERS", "PARAMETERS", "CalibrationResult", "Run", "accuracy",
+           "calibrate", "load_run", "plan_groups", "predict", "predicted_stages"]

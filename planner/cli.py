@@ -1132,6 +1132,10 @@ def _all_runs(paths: tuple[str, ...], logs: tuple[str, ...], jobs: tuple[str, ..
                    "next to the base profile).")
 @click.option("--fit", default=None,
               help="Comma-separated parameters to fit (default: all; see the README).")
+@click.option("--framework-out", "framework_output", type=click.Path(dir_okay=False),
+              default=None,
+              help="Where to write the framework profile when --fit names framework.* fixed "
+                   "costs (default: FRAMEWORK-calibrated.yaml in the current directory).")
 @click.option("--held-out", "held_out", multiple=True, type=click.Path(file_okay=False),
               help="A run not fitted on, to measure the fit's error (repeatable). The profile "
                    "is not written when it predicts these worse than the base profile.")
@@ -1140,25 +1144,47 @@ def _all_runs(paths: tuple[str, ...], logs: tuple[str, ...], jobs: tuple[str, ..
 @_verl_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit: str | None,
-              held_out: tuple[str, ...], skip: int, verl_logs: tuple[str, ...],
-              verl_jobs: tuple[str, ...], verl_plans: tuple[str, ...], as_json: bool) -> None:
-    """Fit a profile's free parameters to executor runs or verl logs."""
+              framework_output: str | None, held_out: tuple[str, ...], skip: int,
+              verl_logs: tuple[str, ...], verl_jobs: tuple[str, ...],
+              verl_plans: tuple[str, ...], as_json: bool) -> None:
+    """Fit a device profile's free parameters, and a framework profile's fixed costs, to
+    executor runs or verl logs."""
+    from planner.calibration import FRAMEWORK_PARAMETERS
     from planner.calibration import calibrate as fit_profile
     from planner.verl_log import DEFAULT_FIT
     from profiles.device import resolve_profile_path, write_profile_file
+    from profiles.framework import write_fixed_costs_profile
 
     base = _load_device(profile_name)
     loaded = _all_runs(runs, verl_logs, verl_jobs, verl_plans)
     if not fit and verl_logs:
         fit = ",".join(DEFAULT_FIT)
+    chosen = fit.split(",") if fit else []
+    if framework_output and not any(k in FRAMEWORK_PARAMETERS for k in chosen):
+        raise SpecError("only used when --fit names framework.* fixed costs",
+                        key="--framework-out")
     result = fit_profile(loaded, base, fit=fit.split(",") if fit else None, skip=skip,
                          name=Path(output).stem if output else None,
                          held_out=_runs(held_out) if held_out else ())
-    path = Path(output) if output else resolve_profile_path(profile_name).with_name(
-        f"{result.profile.name}.yaml")
-    write_profile_file(result.profile, path,
-                       header=f"# Calibrated by `hybridflow calibrate` from {len(loaded)} run(s).")
-    summary = {"profile": str(path), "values": result.values,
+    fits_device = not fit or any(k not in FRAMEWORK_PARAMETERS for k in chosen)
+    header = f"# Calibrated by `hybridflow calibrate` from {len(loaded)} run(s)."
+    written = []
+    path = None
+    if fits_device:
+        path = Path(output) if output else resolve_profile_path(profile_name).with_name(
+            f"{result.profile.name}.yaml")
+        write_profile_file(result.profile, path, header=header)
+        written.append(path)
+    framework_path = None
+    if result.fixed_costs is not None and result.framework is not None:
+        framework_path = Path(framework_output) if framework_output else Path(
+            f"{Path(result.framework).stem}-calibrated.yaml")
+        write_fixed_costs_profile(result.framework, result.fixed_costs, framework_path,
+                                  header=header + " Use it as the job's `framework:`.")
+        written.append(framework_path)
+    summary = {"profile": str(path) if path else None,
+               "framework_profile": str(framework_path) if framework_path else None,
+               "values": result.values,
                "residual_before": result.residual_before,
                "residual_after": result.residual_after, "rows": result.rows,
                "runs": list(result.runs), "at_bounds": result.at_bounds,
@@ -1178,7 +1204,7 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
                f"{result.residual_after:.1%}")
     for key, value in result.values.items():
         bound = result.at_bounds.get(key)
-        click.echo(f"  {key:<24} {value:.4g}"
+        click.echo(f"  {key:<32} {value:.4g}"
                    + (f"   at its {bound} bound" if bound else ""))
     for key, bound in result.at_bounds.items():
         click.echo(f"warning: {key} ended at its {bound} bound: the runs push it past the range "
@@ -1190,7 +1216,8 @@ def calibrate(runs: tuple[str, ...], profile_name: str, output: str | None, fit:
                    f"{before['median_abs_error_pct']:.1f}% -> "
                    f"{after['median_abs_error_pct']:.1f}%, max {after['max_abs_error_pct']:.1f}%,"
                    f" bias {after['bias_pct']:+.1f}%")
-    click.echo(f"wrote {path}")
+    for written_path in written:
+        click.echo(f"wrote {written_path}")
 
 
 @cli.command()

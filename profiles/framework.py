@@ -235,3 +235,31 @@ def load_framework(name_or_path: str = DEFAULT_FRAMEWORK) -> FrameworkProfile:
     """A framework profile by name (``verl``) or path (read once; profiles are immutable)."""
     path = resolve_framework_path(name_or_path)
     return from_mapping(FrameworkProfile, framework_mapping(name_or_path), source=str(path))
+
+
+def write_fixed_costs_profile(base: str, fixed: FixedCosts, path: str | Path,
+                              header: str = "") -> None:
+    """Write a framework profile that is ``base`` with ``fixed`` as its fixed costs: a file
+    that names ``base`` and holds only what differs, checked to load back before it is
+    written (atomically)."""
+    import os
+
+    import yaml
+
+    from profiles.datafile import to_mapping, write_text_atomic
+
+    out = Path(path)
+    base_ref = base
+    if base.endswith((".yaml", ".yml")):
+        # framework_mapping resolves a relative base against the profile's own directory.
+        base_ref = os.path.relpath(Path(base).resolve(), out.resolve().parent)
+    mapping = {"base": base_ref, "name": out.stem,
+               "description": f"{load_framework(base).name} with fixed costs fitted by "
+                              "hybridflow calibrate",
+               "fixed_costs": to_mapping(fixed)}
+    from_mapping(FrameworkProfile,
+                 _merged(framework_mapping(base), {k: v for k, v in mapping.items()
+                                                   if k != "base"}), source=str(out))
+    text = yaml.safe_dump(mapping, sort_keys=False)
+    write_text_atomic(out, (header if header.endswith("\n") or not header else header + "\n")
+                      + text)

@@ -23,6 +23,7 @@ from planner.cli import main
 from planner.verl_log import STAGES, length_counts, read_verl_steps, verl_run
 from profiles.datafile import SpecError
 from profiles.device import load_profile
+from profiles.framework import FixedCosts
 from simulator.default_plan import colocate_plan
 from simulator.specs.job import job_from_mapping
 
@@ -46,7 +47,8 @@ def _truth() -> Any:
 
 
 def synthetic_steps(steps: int = 8, noise: float = 0.02, seed: int = 1,
-                    job: Any = JOB, plan: Any = PLAN) -> list[dict[str, Any]]:
+                    job: Any = JOB, plan: Any = PLAN,
+                    fixed_costs: FixedCosts | None = None) -> list[dict[str, Any]]:
     """verl's per-step metrics dicts for ``job`` under ``plan``: stage times predicted with
     the known parameters (times 1 +- ``noise``), lengths varying between steps, and the other
     metrics verl logs beside them (losses, throughput, per-token timings, validation)."""
@@ -63,7 +65,7 @@ def synthetic_steps(steps: int = 8, noise: float = 0.02, seed: int = 1,
                    prompt_tokens={i: round(prompt)}, framework=job.framework)
         data: dict[str, Any] = {"training/global_step": i + 1, "actor/pg_loss": -0.01 * i,
                                 "critic/vf_loss": 0.5}
-        for node, seconds in predicted_stages(stub, i, truth).items():
+        for node, seconds in predicted_stages(stub, i, truth, fixed_costs=fixed_costs).items():
             if node in TIMER and (seconds > 0 or node != "actor.transition"):
                 data[f"timing_s/{TIMER[node]}"] = seconds * (1 + rng.uniform(-noise, noise))
         data["timing_s/generate_sequences"] = 0.9 * data["timing_s/gen"]
@@ -165,6 +167,93 @@ def test_cli_calibrate_and_accuracy_from_console_log_with_plan_file(
     result = json.loads(capsys.readouterr().out)
     assert result["runs"] == 1 and result["median_abs_error_pct"] < 2.0
     assert {r["iteration"] for r in result["rows"]} == {1, 2, 3, 4, 5}  # --skip 1
+
+
+FIXED = FixedCosts(call_seconds=0.2, optimizer_step_seconds=0.3, micro_batch_seconds=0.02,
+                   iteration_seconds=1.5)
+"""Framework fixed costs the synthetic logs of the framework-profile tests are made with."""
+FRAMEWORK_FIT = [f"framework.{name}" for name in (
+    "call_seconds", "optimizer_step_seconds", "micro_batch_seconds", "iteration_seconds")]
+
+
+def test_calibration_recovers_a_frameworks_fixed_costs_from_a_synthetic_verl_log(
+        tmp_path: Path) -> None:
+    run = verl_run(write_jsonl(tmp_path / "metrics.jsonl",
+                               synthetic_steps(steps=10, fixed_costs=FIXED)), JOB, PLAN)
+    # Kernels known: the fixed costs come back within the noise.
+    result = calibrate([run], _truth(), fit=FRAMEWORK_FIT, skip=0)
+    assert result.framework == "verl" and result.fixed_costs is not None
+    for name in FRAMEWORK_FIT:
+        truth = getattr(FIXED, name.removeprefix("framework."))
+        assert result.values[name] == pytest.approx(truth, rel=0.03), name
+        assert getattr(result.fixed_costs, name.removeprefix("framework.")) == \
+            result.values[name]
+    # The device profile is left as it was: only the framework's fixed costs moved.
+    assert result.profile.corrections == _truth().corrections
+    # Kernels and fixed costs together, from an unfitted profile: the lengths varying between
+    # steps tell them apart (less sharply).
+    joint = calibrate([run], load_profile("a100-80gb"), fit=[*KNOWN, *FRAMEWORK_FIT], skip=0)
+    assert joint.values["framework.optimizer_step_seconds"] == pytest.approx(0.3, rel=0.1)
+    assert joint.values["framework.iteration_seconds"] == pytest.approx(1.5, rel=0.05)
+    assert joint.values["train_compute"] == pytest.approx(1.4, rel=0.1)
+    assert joint.residual_before > 0.3 and joint.residual_after < 0.02
+
+
+def test_cli_writes_a_framework_profile_the_job_can_name(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = write_jsonl(tmp_path / "metrics.jsonl", synthetic_steps(steps=6, fixed_costs=FIXED))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(JOB_MAPPING), encoding="utf-8")
+    device = tmp_path / "device.yaml"
+    framework = tmp_path / "verl-mycluster.yaml"
+    main(["calibrate", "--verl-log", str(log), "--job", str(job), "--profile", "a100-80gb",
+          "--fit", ",".join([*KNOWN, *FRAMEWORK_FIT]), "-o", str(device),
+          "--framework-out", str(framework), "--skip", "0", "--json"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["framework_profile"] == str(framework) and device.exists()
+    written = framework.read_text(encoding="utf-8")
+    assert written.startswith("# Calibrated by `hybridflow calibrate`") and "base: verl" in written
+    # The job that names the written profile is predicted with the fitted fixed costs and
+    # everything else of verl's.
+    calibrated_job = tmp_path / "job-calibrated.json"
+    calibrated_job.write_text(json.dumps({**JOB_MAPPING, "framework": framework.name}),
+                              encoding="utf-8")
+    main(["accuracy", "--verl-log", str(log), "--job", str(calibrated_job), "--profile",
+          str(device), "--skip", "0", "--json"])
+    fitted = json.loads(capsys.readouterr().out)
+    main(["accuracy", "--verl-log", str(log), "--job", str(job), "--profile", str(device),
+          "--skip", "0", "--json"])
+    unfitted = json.loads(capsys.readouterr().out)
+    assert fitted["median_abs_error_pct"] < 2.0 < unfitted["median_abs_error_pct"]
+    # Only framework costs fitted: no device profile is written.
+    only = tmp_path / "only-device.yaml"
+    main(["calibrate", "--verl-log", str(log), "--job", str(job), "--profile", "a100-80gb",
+          "--fit", ",".join(FRAMEWORK_FIT), "-o", str(only), "--framework-out",
+          str(tmp_path / "only-framework.yaml"), "--skip", "0"])
+    out = capsys.readouterr().out
+    assert not only.exists() and "wrote " + str(tmp_path / "only-framework.yaml") in out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--fit", "decode", "--framework-out", "fw.yaml"], ("--framework-out", "framework.*")),
+    (["--fit", "call_seconds,framework.call_seconds"], ("--fit", "same term")),
+    (["--fit", "framework.nap_seconds"], ("--fit", "unknown parameter")),
+])
+def test_cli_refuses_framework_fits_it_cannot_do(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+        expected: tuple[str, ...]) -> None:
+    log = write_jsonl(tmp_path / "metrics.jsonl", synthetic_steps(steps=2))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(JOB_MAPPING), encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--verl-log", str(log), "--job", str(job), "--profile",
+              "a100-80gb", "-o", str(tmp_path / "out.yaml"), "--skip", "0", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for part in expected:
+        assert part in err, (part, err)
+    assert not (tmp_path / "out.yaml").exists()
 
 
 def _refused(tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str],
@@ -275,3 +364,12 @@ def test_reader_skips_validation_lines_and_ignored_timers(tmp_path: Path) -> Non
     assert steps[1].metrics["timing_s/testing"] == 12.0
     with pytest.raises(SpecError, match="is a directory"):
         read_verl_steps(tmp_path)
+
+
+def test_framework_fixed_costs_are_fitted_on_one_frameworks_runs_only(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    run = verl_run(write_jsonl(tmp_path / "metrics.jsonl", synthetic_steps(steps=2)), JOB, PLAN)
+    executor_like = replace(run, framework="hybridflow")
+    with pytest.raises(SpecError, match="different frameworks \\(hybridflow, verl\\)"):
+        calibrate([run, executor_like], _truth(), fit=FRAMEWORK_FIT, skip=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from profiles.datafile import SpecError, from_mapping, read_mapping, require
-from profiles.framework import DEFAULT_FRAMEWORK, FrameworkProfile, load_framework
+from profiles.framework import DEFAULT_FRAMEWORK, FixedCosts, FrameworkProfile, load_framework
 from simulator.specs.asynchrony import JobMode, Mode, allowed_modes, check_mode
 from simulator.specs.cluster import ClusterSpec, Pool
 from simulator.specs.data import DataSpec, parse_data
@@ -169,6 +169,9 @@ class JobSpec:
     """Internal, never read from a job file: the actor generates on a rollout set of its own,
     so the training GPUs hold no generation engine and do not reshard (the planner's view of
     an asynchronous plan's trainer side)."""
+    framework_fixed_costs: FixedCosts | None = field(default=None, repr=False)
+    """Internal, never read from a job file: fixed costs that replace the framework profile's
+    (calibration's candidates while it fits a framework profile)."""
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
@@ -252,7 +255,7 @@ class JobSpec:
 
     @property
     def framework_profile(self) -> FrameworkProfile:
-        return load_framework(self.framework)
+        return _with_fixed_costs(load_framework(self.framework), self.framework_fixed_costs)
 
     def overlap_for(self, role: str) -> tuple[bool, bool]:
         """(overlap_grad_reduce, overlap_param_gather) for ``role``: pinned, else on when the
@@ -375,6 +378,11 @@ class JobSpec:
                else {}),
             **({"partial_rollout": True} if self.partial_rollout else {}),
         }
+
+
+@cache
+def _with_fixed_costs(profile: FrameworkProfile, fixed: FixedCosts | None) -> FrameworkProfile:
+    return profile if fixed is None else replace(profile, fixed_costs=fixed)
 
 
 OLD_LOG_PROB_NODE = "actor.old_log_prob"
