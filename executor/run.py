@@ -340,8 +340,10 @@ def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:
 def planned_kv_cache_budget_bytes(job: JobSpec, plan: Plan) -> int | None:
     """The KV-cache bytes per GPU the simulator leaves the actor's generation under this plan
     (what the engine may use; None when the job generates nothing)."""
+    from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan, first_generate_node
 
+    job = job_as_planned(job, plan)
     node = estimate_plan(job, plan).nodes.get(first_generate_node(job))
     budget = node.detail.get("kv_budget_bytes") if node is not None else None
     return None if budget is None else int(budget)

@@ -21,7 +21,7 @@ from planner.search import Search, SearchOptions
 from planner.space import _powers_of_two
 from profiles.datafile import SpecError
 from simulator.asynchronous import steady_step_seconds
-from simulator.plan import Plan, RolePlan, RolloutSet
+from simulator.plan import Plan, RolePlan, RolloutSet, job_as_planned
 from simulator.predict import estimate_plan
 from simulator.specs.asynchrony import Mode
 from simulator.specs.job import JobSpec
@@ -104,11 +104,12 @@ def search_async(job: JobSpec, mode: Mode, staleness: int,
                     plan.validate(job)
                 except SpecError:
                     continue
-                estimate = estimate_plan(job, plan)
+                planned = job_as_planned(job, plan)
+                estimate = estimate_plan(planned, plan)
                 if not estimate.feasible:
                     continue
                 found.append(AsyncCandidate(plan=plan,
-                                            step_seconds=steady_step_seconds(job, estimate),
+                                            step_seconds=steady_step_seconds(planned, estimate),
                                             rollout_gpus=rollout_gpus))
     found.sort(key=lambda c: (c.step_seconds, c.rollout_gpus, c.plan.describe()))
     return found[:top_k]

@@ -26,6 +26,7 @@ import pandas as pd
 from profiles.datafile import SpecError, read_mapping, read_text_file
 from profiles.device import DeviceProfile, Provenance, register_profile
 from profiles.framework import FixedCosts, load_framework
+from simulator.asynchronous import SYNC_NODE, generate_names, steady_step_seconds, sync_seconds
 from simulator.engine import iteration_seconds
 from simulator.plan import Plan, plan_from_mapping
 from simulator.predict import estimate_plan
@@ -250,7 +251,14 @@ def predicted_stages(run: Run, iteration: int, profile: DeviceProfile, *,
     predicted = {name: n.seconds for name, n in estimate.nodes.items()}
     if estimate.transition is not None:
         predicted["actor.transition"] = estimate.transition.seconds
-    predicted["iteration"] = iteration_seconds(job, estimate)
+    if run.plan.mode == "sync":
+        predicted["iteration"] = iteration_seconds(job, estimate)
+    else:
+        # Off-policy: the weight sync after each update, and the steady-state step (the
+        # busier of the rollout set and the trainer), which every iteration after the
+        # first one is.
+        predicted[SYNC_NODE] = sync_seconds(estimate)
+        predicted["iteration"] = steady_step_seconds(job, estimate)
     return predicted
 
 
@@ -265,9 +273,16 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1,
         if iteration < skip:
             continue
         predicted = predicted_stages(run, iteration, profile, fixed_costs=fixed_costs)
+        ahead = None
+        if run.plan.mode != "sync" and iteration + 1 in run.length_counts:
+            # Off-policy, the generation measured in iteration i is of batch i + 1 (made
+            # while batch i trains): predict it with that batch's lengths.
+            ahead = predicted_stages(run, iteration + 1, profile, fixed_costs=fixed_costs)
         for node, measured in _measured_stages(run, iteration).items():
             if node not in predicted or measured <= 0:
                 continue  # nothing ran (a transition with nothing to gather)
+            if ahead is not None and node in generate_names(run.job):
+                predicted[node] = ahead[node]
             rows.append({"run": str(run.path), "placement": run.plan.placement,
                          "iteration": iteration, "node": node, "measured_seconds": measured,
                          "predicted_seconds": predicted[node],

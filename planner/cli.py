@@ -399,6 +399,7 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
     """Simulate RLHF iterations of a job under a plan."""
     from simulator.default_plan import colocate_plan
     from simulator.engine import simulate_des, simulate_paper
+    from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan
     from simulator.trace import write_chrome_trace
 
@@ -411,6 +412,7 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
             plan = colocate_plan(job)
         except SpecError as exc:
             raise exc.within(source=config or "the default job") from None
+    job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan, transition_scheme=transition)  # type: ignore[arg-type]
     if cost_model == "paper":
         result = simulate_paper(job, plan, estimate)

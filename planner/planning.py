@@ -12,7 +12,7 @@ from planner.space import set_sizes
 from simulator.asynchronous import simulate_async
 from simulator.costs.memory import GIB, MemoryBreakdown
 from simulator.engine import SimulationResult, simulate_des
-from simulator.plan import Plan
+from simulator.plan import Plan, job_as_planned
 from simulator.predict import PlanEstimate, estimate_plan, role_state
 from simulator.specs.asynchrony import comparison_modes
 from simulator.specs.job import JobSpec
@@ -115,6 +115,7 @@ def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iteration
     else:
         plan = replace(plan, strategy=strategy)
     plan.validate(job)
+    job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan)
     if plan.rollout is not None:
         simulation = simulate_async(job, plan, estimate)
@@ -191,7 +192,7 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
         ranking = choose_ranking(job, ranking, modes, objective)
     best = ranking[0] if ranking else None
     if best is None and given is not None:
-        estimate = estimate_plan(job, given)
+        estimate = estimate_plan(job_as_planned(job, given), given)
         reason = "the given plan does not fit: " + "; ".join(estimate.reasons)
     elif best is None and objective.objective == "cost-at-deadline":
         reason = missed_deadline(job, options)

@@ -36,6 +36,17 @@ class Passes:
     """The actor recomputes the log-probs of every generated sequence with its training engine
     after generation (one more forward over the batch on the actor's GPUs), instead of using
     the rollout engine's."""
+    one_step_off_old_log_prob: bool | None = None
+    """The same in ``one_step_off`` mode, where the generating policy is one update behind
+    (None: as ``old_log_prob``)."""
+    async_old_log_prob: bool | None = None
+    """The same in ``async`` mode (None: as ``old_log_prob``)."""
+
+    def old_log_prob_in(self, mode: str) -> bool:
+        """Whether the recompute runs in ``mode`` (sync and auto: the synchronous trainer)."""
+        by_mode = {"one_step_off": self.one_step_off_old_log_prob,
+                   "async": self.async_old_log_prob}.get(mode)
+        return self.old_log_prob if by_mode is None else by_mode
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -20,7 +20,7 @@ from typing import Literal
 import simpy
 
 from profiles.datafile import SpecError
-from simulator.plan import Plan
+from simulator.plan import Plan, job_as_planned
 from simulator.predict import CONTROLLER_LOCATION, PlanEstimate
 from simulator.schedule import dataflow_steps, makespan
 from simulator.specs.dataflow import Dataflow, Node
@@ -250,6 +250,7 @@ def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 
     from simulator.predict import estimate_plan
 
     plan.validate(job)
+    job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan, transition_scheme=transition_scheme)  # type: ignore[arg-type]
     if plan.rollout is not None:
         if mode == "paper":

@@ -442,6 +442,15 @@ class Plan:
         write_text_atomic(path, json_text(self.to_value()))
 
 
+def job_as_planned(job: JobSpec, plan: Plan) -> JobSpec:
+    """``job`` in ``plan``'s mode, so that its dataflow has the passes the framework runs in
+    that mode (an ``auto`` job's one-step-off or async candidate); unchanged for a plan of the
+    job's own mode and for a synchronous plan of an ``auto`` job."""
+    if plan.mode == job.mode or (plan.mode == "sync" and job.mode == "auto"):
+        return job
+    return job.for_mode(plan.mode, plan.max_staleness, plan.partial_rollout)
+
+
 def placement_string(sets: tuple[ColocatedSet, ...] | list[ColocatedSet]) -> str:
     """'actor,ref|critic,reward' for sets [actor, ref], [critic, reward]."""
     return "|".join(s.label() for s in sets)

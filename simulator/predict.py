@@ -23,7 +23,7 @@ from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_st
 from simulator.costs.transfer import transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
-from simulator.plan import Plan, RolePlan
+from simulator.plan import Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, Node
 from simulator.specs.job import JobSpec
@@ -480,6 +480,9 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     mixed cluster each set is priced on its own group's device and network. An asynchronous
     plan generates on its rollout set (the location after the training sets), and its
     trainer's GPUs neither reshard the actor nor hold a generation engine."""
+    if job_as_planned(job, plan) is not job:
+        raise ValueError(f"a {plan.mode} plan is priced with the job in its mode: pass "
+                         "job_as_planned(job, plan)")
     located = plan.located_sets()
     set_pools = tuple(job.cluster.pool_of(s.node_group) for s in located)
     views = [job.on_pool(pool) for pool in set_pools]

@@ -13,7 +13,14 @@ from profiles.datafile import SpecError
 from simulator.asynchronous import SYNC_NODE, steady_step_seconds
 from simulator.costs.weight_sync import weight_sync
 from simulator.engine import simulate
-from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet, plan_from_mapping
+from simulator.plan import (
+    ColocatedSet,
+    Plan,
+    RolePlan,
+    RolloutSet,
+    job_as_planned,
+    plan_from_mapping,
+)
 from simulator.predict import estimate_plan
 from simulator.specs.cluster import ClusterSpec
 from simulator.specs.job import default_job, job_from_mapping
@@ -117,7 +124,8 @@ def test_event_simulation_reaches_the_closed_form_steady_state(rollout, mode, st
     job = _long_tail_job()
     plan = _split(job, mode=mode, staleness=staleness, partial=partial, rollout=rollout)
     result = simulate(job, plan)
-    closed = steady_step_seconds(job, estimate_plan(job, plan))
+    planned = job_as_planned(job, plan)
+    closed = steady_step_seconds(planned, estimate_plan(planned, plan))
     assert result.iteration_seconds == pytest.approx(closed, rel=1e-6)
     assert result.extra["max_staleness_seen"] == staleness
     assert result.stage_seconds[SYNC_NODE] > 0
@@ -178,3 +186,28 @@ def test_plan_shows_every_mode_and_picks_among_the_allowed_ones():
     pinned = plan_job(dataclasses.replace(job, mode="one_step_off"))
     assert pinned.best.plan.mode == "one_step_off"
     assert all(e.plan.mode == "one_step_off" for e in pinned.ranking)
+
+
+@pytest.mark.parametrize(("framework", "mode", "recomputes"), [
+    ("verl", "sync", True), ("verl", "one_step_off", True), ("verl", "async", False),
+    ("hybridflow", "sync", False), ("hybridflow", "one_step_off", True),
+    ("hybridflow", "async", False),
+])
+def test_each_mode_runs_the_old_log_prob_pass_its_framework_runs(framework, mode, recomputes):
+    """verl's one-step-off trainer recomputes the old log-probs, its fully-async trainer uses
+    the rollout's; this project's executor recomputes them only one step off. A plan of an
+    ``auto`` job is priced with the passes of the plan's own mode."""
+    job = dataclasses.replace(_long_tail_job(), framework=framework, mode="auto",
+                              max_staleness=1)
+    plan = _split(job, mode=mode, rollout=8) if mode != "sync" else None
+    planned = job_as_planned(job, plan) if plan is not None else job
+    nodes = [n.name for n in planned.dataflow.nodes]
+    assert ("actor.old_log_prob" in nodes) == recomputes
+    if plan is not None:
+        assert planned.mode == mode
+        estimate = estimate_plan(planned, plan)
+        assert ("actor.old_log_prob" in estimate.nodes) == recomputes
+        with pytest.raises(ValueError, match="job_as_planned"):
+            estimate_plan(job, plan)  # the auto job's own passes are the synchronous ones
+        assert simulate(job, plan).iteration_seconds == pytest.approx(
+            steady_step_seconds(planned, estimate), rel=1e-6)

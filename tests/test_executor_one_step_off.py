@@ -124,6 +124,20 @@ def test_one_step_off_grpo_learns_with_synced_weights_and_overlapped_generation(
         generate["dispatch_seconds"].describe(), train["compute_seconds"].describe())
     assert json.loads((tmp_path / "run" / "meta.json").read_text())["mode"] == "one_step_off"
 
+    # The run feeds back like a synchronous one: accuracy predicts its weight sync, its
+    # generation of the next batch (with that batch's lengths) and its steady-state step.
+    from planner.calibration import accuracy, load_run
+    from profiles.device import load_profile
+
+    measured = accuracy([load_run(tmp_path / "run")], load_profile("cpu-2core-calibrated"))
+    nodes = {r["node"] for r in measured["rows"]}
+    assert {"actor.weight_sync", "actor.generate", "actor.old_log_prob", "actor.train",
+            "iteration"} <= nodes, nodes
+    assert all(r["predicted_seconds"] > 0 for r in measured["rows"])
+    print("one_step_off accuracy:", {k: round(v, 1) for k, v in measured.items()
+                                     if k.endswith("_pct")},
+          {k: round(v["median_abs_error_pct"], 1) for k, v in measured["per_stage"].items()})
+
 
 def test_execute_refuses_an_async_plan_in_one_line(tmp_path: Path) -> None:
     plan = one_step_off_plan(rollout_gpus=2, mode="async")

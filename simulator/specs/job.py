@@ -282,8 +282,9 @@ class JobSpec:
 
     @property
     def dataflow(self) -> Dataflow:
-        """The algorithm's dataflow with the passes the framework adds."""
-        return dataflow_with_passes(self.algorithm, self.framework)
+        """The algorithm's dataflow with the passes the framework adds in the job's mode (an
+        ``auto`` job's plans are priced with ``for_mode``: each with its own mode's passes)."""
+        return dataflow_with_passes(self.algorithm, self.framework, self.mode)
 
     @property
     def gpu_roles(self) -> tuple[str, ...]:
@@ -317,6 +318,16 @@ class JobSpec:
     def allowed_modes(self) -> tuple[tuple[Mode, int], ...]:
         """(mode, staleness) pairs the planner may choose from."""
         return allowed_modes(self.mode, self.max_staleness)
+
+    def for_mode(self, mode: str, max_staleness: int | None,
+                 partial_rollout: bool = False) -> JobSpec:
+        """The job as a plan of ``mode`` runs it (an ``auto`` job's candidate of one mode):
+        the framework's passes are those of that mode."""
+        if (mode, max_staleness, partial_rollout) == (self.mode, self.max_staleness,
+                                                      self.partial_rollout):
+            return self
+        return replace(self, mode=mode, max_staleness=max_staleness,
+                       partial_rollout=partial_rollout)
 
     def with_cluster(self, cluster: ClusterSpec) -> JobSpec:
         return replace(self, cluster=cluster)
@@ -390,13 +401,13 @@ OLD_LOG_PROB_NODE = "actor.old_log_prob"
 
 
 @cache
-def dataflow_with_passes(algorithm: str, framework: str) -> Dataflow:
-    """``algorithm``'s dataflow plus the passes ``framework`` runs: with the old-log-prob
-    recompute, one more actor forward over the sampled sequences right after generation,
-    which the controller's work (advantages) then waits for."""
+def dataflow_with_passes(algorithm: str, framework: str, mode: str = "sync") -> Dataflow:
+    """``algorithm``'s dataflow plus the passes ``framework`` runs in ``mode``: with the
+    old-log-prob recompute, one more actor forward over the sampled sequences right after
+    generation, which the controller's work (advantages) then waits for."""
     base = get_dataflow(algorithm)
     profile = load_framework(framework)
-    if not profile.passes.old_log_prob or "actor" not in base.trained_roles:
+    if not profile.passes.old_log_prob_in(mode) or "actor" not in base.trained_roles:
         return base
     sampled = [n for n in base.nodes if n.role == "actor" and n.operation == "generate"
                and n.responses == "sampled"]
