@@ -1336,8 +1336,10 @@ def list_(what: str) -> None:
         from simulator.specs.presets import MODEL_PRESETS
 
         for name, model in MODEL_PRESETS.items():
+            moe = (f"  moe {model.moe.experts} experts top-{model.moe.top_k}, "
+                   f"{model.active_param_count / 1e9:.2f}B active" if model.moe else "")
             click.echo(f"{name:<16} {model.param_count / 1e9:8.2f}B  layers {model.layers:<4} "
-                       f"hidden {model.hidden:<6} heads {model.heads}/{model.kv_heads}")
+                       f"hidden {model.hidden:<6} heads {model.heads}/{model.kv_heads}{moe}")
     elif what == "devices":
         from profiles.device import available_profiles, load_profile
 

@@ -89,6 +89,10 @@ def check_available(role: str, training: str, generation: str, *, spec: object =
     if training == "megatron" and not megatron_installed():
         raise SpecError(f"Megatron-core is not installed: {INSTALL_HINT}",
                         key=f"backends.{role}.training")
+    if getattr(spec, "moe", None) is not None and training != "megatron":
+        raise SpecError(f"{getattr(spec, 'name', role)} is a mixture of experts: the torch "
+                        "backend builds dense models only; train it with training: megatron",
+                        key=f"backends.{role}.training")
     if generation not in GENERATION_BACKENDS:
         raise SpecError(f"unknown generation backend {generation!r} (available: "
                         f"{', '.join(GENERATION_BACKENDS)})", key=f"backends.{role}.generation")

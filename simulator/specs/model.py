@@ -11,6 +11,44 @@ from profiles.datafile import SpecError, from_mapping, read_mapping, require
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class MoESpec:
+    """The mixture-of-experts MLP of a model's MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style):
+    a router picks ``top_k`` of ``experts`` routed experts per token, beside ``shared_experts``
+    that every token goes through."""
+
+    experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Routed experts each token goes through."""
+    expert_ffn_hidden: int
+    """Inner width of one routed expert's MLP (each of gate and up for SwiGLU)."""
+    shared_experts: int = 0
+    """Experts every token goes through (DeepSeek, Qwen2-MoE); 0 for Mixtral and Qwen3-MoE."""
+    shared_expert_ffn_hidden: int | None = None
+    """Inner width of one shared expert (default: ``expert_ffn_hidden``)."""
+    first_dense_layers: int = 0
+    """Leading layers whose MLP stays dense (``ffn_hidden`` wide) before the first MoE layer
+    (DeepSeek-V3: 3)."""
+
+    def __post_init__(self) -> None:
+        for key in ("experts", "top_k", "expert_ffn_hidden"):
+            require(getattr(self, key) > 0,
+                    f"must be a positive integer, got {getattr(self, key)}", key)
+        require(self.top_k <= self.experts,
+                f"top_k ({self.top_k}) cannot exceed experts ({self.experts})", "top_k")
+        require(self.shared_experts >= 0, "must be >= 0", "shared_experts")
+        require(self.first_dense_layers >= 0, "must be >= 0", "first_dense_layers")
+        if self.shared_expert_ffn_hidden is not None:
+            require(self.shared_expert_ffn_hidden > 0, "must be a positive integer",
+                    "shared_expert_ffn_hidden")
+
+    @property
+    def shared_ffn(self) -> int:
+        """Inner width of one shared expert."""
+        return self.shared_expert_ffn_hidden or self.expert_ffn_hidden
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSpec:
     """A decoder-only transformer. Parameter count and FLOPs are derived, never typed in."""
 
@@ -50,6 +88,9 @@ class ModelSpec:
     """Rotary embedding base (executor only)."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers (executor only)."""
+    moe: MoESpec | None = None
+    """Mixture of experts: the MLP of every layer after ``moe.first_dense_layers`` is a router
+    and experts (None: a dense model)."""
 
     head_dim_value: int = field(init=False, repr=False)
     q_size: int = field(init=False, repr=False)
@@ -65,7 +106,20 @@ class ModelSpec:
     norms and the biases of the row-parallel projections (o_proj, down_proj)."""
     final_norm_params: int = field(init=False, repr=False)
     param_count: int = field(init=False, repr=False)
-    """Total parameters with the language-model head."""
+    """Total parameters with the language-model head (every expert of an MoE model)."""
+    active_param_count: int = field(init=False, repr=False)
+    """Parameters one token goes through: for MoE only its ``top_k`` routed experts (and the
+    shared ones); equal to ``param_count`` for a dense model."""
+    moe_layers: int = field(init=False, repr=False)
+    """Layers with an MoE MLP (0 for a dense model)."""
+    expert_params_per_moe_layer: int = field(init=False, repr=False)
+    """Weights of one routed expert's MLP (0 for a dense model)."""
+    router_params_per_moe_layer: int = field(init=False, repr=False)
+    """Weights of one MoE layer's router (hidden x experts)."""
+    shared_params_per_moe_layer: int = field(init=False, repr=False)
+    """Weights of one MoE layer's shared experts."""
+    active_linear_params_per_layer: int = field(init=False, repr=False)
+    """Mean over layers of the matrix weights one token goes through (FLOPs: 2 per weight)."""
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -97,15 +151,35 @@ class ModelSpec:
         if self.linear_bias:
             attn += h
         mlp_mats = 3 if self.mlp == "swiglu" else 2
-        mlp = mlp_mats * h * self.ffn_hidden
+        dense_mlp = mlp_mats * h * self.ffn_hidden
         if self.linear_bias:
-            mlp += (mlp_mats - 1) * self.ffn_hidden + h
+            dense_mlp += (mlp_mats - 1) * self.ffn_hidden + h
+        moe = self.moe
+        moe_layers = expert = router = shared = 0
+        if moe is not None:
+            require(moe.first_dense_layers < self.layers,
+                    f"first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer of "
+                    f"{self.layers}", "moe.first_dense_layers")
+            moe_layers = self.layers - moe.first_dense_layers
+            expert = mlp_mats * h * moe.expert_ffn_hidden
+            router = h * moe.experts
+            shared = moe.shared_experts * mlp_mats * h * moe.shared_ffn
+        dense_layers = self.layers - moe_layers
+        moe_mlp = router + moe.experts * expert + shared if moe is not None else 0
+        active_moe_mlp = router + moe.top_k * expert + shared if moe is not None else 0
+        # Layers differ (dense first layers, MoE after): per-layer sizes are means over layers.
+        mlp = (dense_layers * dense_mlp + moe_layers * moe_mlp) // self.layers
         norm_vec = 2 if self.norm == "layernorm" else 1
         norms = 2 * norm_vec * h
         per_layer = attn + mlp + norms
         embedding = self.vocab * h + self.learned_positions * h
         lm_head = 0 if self.tied_embeddings else self.vocab * h
-        total = self.layers * per_layer + embedding + lm_head + norm_vec * h
+        layer_total = self.layers * (attn + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp
+        total = layer_total + embedding + lm_head + norm_vec * h
+        active = total - moe_layers * (moe_mlp - active_moe_mlp)
+        attn_linear = 2 * h * q_size + 2 * h * kv_size
+        active_linear = attn_linear + (dense_layers * mlp_mats * h * self.ffn_hidden
+                                       + moe_layers * active_moe_mlp) // self.layers
         replicated = norms + (2 * h if self.linear_bias else 0)
         set_ = object.__setattr__
         set_(self, "head_dim_value", head_dim)
@@ -120,6 +194,12 @@ class ModelSpec:
         set_(self, "replicated_params_per_layer", replicated)
         set_(self, "final_norm_params", norm_vec * h)
         set_(self, "param_count", total)
+        set_(self, "active_param_count", active)
+        set_(self, "moe_layers", moe_layers)
+        set_(self, "expert_params_per_moe_layer", expert)
+        set_(self, "router_params_per_moe_layer", router)
+        set_(self, "shared_params_per_moe_layer", shared)
+        set_(self, "active_linear_params_per_layer", active_linear)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
 
     # ----- derived quantities (one formula each) -----
@@ -136,15 +216,26 @@ class ModelSpec:
         return 1 if value_head else self.vocab
 
     def linear_params_per_layer(self) -> int:
-        """Weights of one block's matrix multiplications (no norms, no biases)."""
-        h = self.hidden
-        mlp_mats = 3 if self.mlp == "swiglu" else 2
-        return 2 * h * self.q_size + 2 * h * self.kv_size + mlp_mats * h * self.ffn_hidden
+        """Weights of one block's matrix multiplications that one token goes through (no
+        norms, no biases; for MoE the router, ``top_k`` routed and the shared experts, as a
+        mean over the layers)."""
+        return self.active_linear_params_per_layer
 
     def matmul_flops_per_token(self, *, value_head: bool = False) -> int:
-        """Forward FLOPs per token in the linear layers and the output head (2 per weight)."""
+        """Forward FLOPs per token in the linear layers and the output head (2 per weight;
+        an MoE token multiplies only its active experts' weights)."""
         head = self.hidden * self.head_output_size(value_head=value_head)
         return 2 * (self.layers * self.linear_params_per_layer() + head)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def expert_params(self) -> int:
+        """Weights of every routed expert of every MoE layer (what expert parallelism
+        shards)."""
+        return self.moe_layers * self.moe.experts * self.expert_params_per_moe_layer \
+            if self.moe is not None else 0
 
     def attention_flops_per_token(self, context_tokens: float) -> float:
         """Forward FLOPs per token for QK^T and AV over ``context_tokens`` keys, all layers."""
@@ -155,16 +246,21 @@ class ModelSpec:
         return 2 * self.layers * self.kv_size * dtype_bytes
 
     def describe(self) -> str:
-        count = self.param_count
-        size = next((f"{count / scale:.{digits}f}{unit}" for scale, unit, digits in
-                     ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)) if count >= scale),
-                    str(count))
-        return f"{self.name} ({size} params, {self.layers} layers, hidden {self.hidden})"
+        size = f"{_count_text(self.param_count)} params"
+        if self.moe is not None:
+            size += (f", {_count_text(self.active_param_count)} active, "
+                     f"{self.moe.experts} experts top-{self.moe.top_k}")
+        return f"{self.name} ({size}, {self.layers} layers, hidden {self.hidden})"
+
+
+def _count_text(count: int) -> str:
+    return next((f"{count / scale:.{digits}f}{unit}" for scale, unit, digits in
+                 ((1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)) if count >= scale), str(count))
 
 
 _IDENTITY_FIELDS = ("name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "mlp",
                     "tied_embeddings", "head_dim", "qkv_bias", "linear_bias", "norm", "dropout",
-                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps")
+                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps", "moe")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,10 +286,44 @@ def _hf_number(config: dict[str, Any], key: str, source: str) -> float:
 
 _HF_MODEL_TYPES_UNTIED = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma"}
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2")
-"""Hugging Face ``model_type`` values read here: dense decoder-only transformers, whose
-layers the cost model prices (attention + MLP). Mixture-of-experts (mixtral, qwen2_moe,
-deepseek_v3), state-space (mamba) and encoder-decoder models have other layers."""
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "mixtral", "qwen2_moe",
+                  "qwen3_moe")
+"""Hugging Face ``model_type`` values read here: decoder-only transformers with grouped-query
+attention and a dense or mixture-of-experts MLP. DeepSeek-V2/V3 (``deepseek_v3``) attend with
+multi-head latent attention, whose low-rank projections are not modelled (their MoE keys are
+read by ``hf_moe``); state-space (mamba) and encoder-decoder models have other layers."""
+
+_HF_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def hf_moe(config: dict[str, Any], source: str) -> MoESpec | None:
+    """The ``moe:`` mapping from a Hugging Face config: Mixtral (``num_local_experts``),
+    Qwen2/3-MoE (``num_experts``, ``moe_intermediate_size``, ``shared_expert_intermediate_size``,
+    ``mlp_only_layers``, ``decoder_sparse_step``) and DeepSeek-V3 (``n_routed_experts``,
+    ``n_shared_experts``, ``first_k_dense_replace``) keys; None for a dense config."""
+    experts_key = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if config.get(k)), None)
+    if experts_key is None:
+        return None
+    experts = _hf_int(config, (experts_key,), source)
+    top_k = _hf_int(config, ("num_experts_per_tok",), source)
+    mixtral = experts_key == "num_local_experts"
+    # Mixtral's experts are as wide as its dense MLP would be.
+    expert_ffn = _hf_int(config, ("intermediate_size",) if mixtral
+                         else ("moe_intermediate_size",), source)
+    fields: dict[str, Any] = {"experts": experts, "top_k": top_k, "expert_ffn_hidden": expert_ffn}
+    if config.get("n_shared_experts"):  # DeepSeek: shared experts as wide as routed ones
+        fields["shared_experts"] = _hf_int(config, ("n_shared_experts",), source)
+    elif config.get("shared_expert_intermediate_size"):  # Qwen2-MoE: one shared expert
+        fields["shared_experts"] = 1
+        fields["shared_expert_ffn_hidden"] = _hf_int(
+            config, ("shared_expert_intermediate_size",), source)
+    if config.get("first_k_dense_replace"):
+        fields["first_dense_layers"] = _hf_int(config, ("first_k_dense_replace",), source)
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) not in (1, None):
+        raise SpecError("dense layers between MoE layers are not modelled (only leading dense "
+                        "layers: moe.first_dense_layers)", key="mlp_only_layers", source=source)
+    return from_mapping(MoESpec, fields, source=source, key_prefix="moe")
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -207,6 +337,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     source = str(path)
     config = read_mapping(path)
     model_type = str(config.get("model_type", ""))
+    if model_type in _HF_MLA_TYPES:
+        raise SpecError(f"model type {model_type!r} attends with multi-head latent attention "
+                        "(kv_lora_rank), which is not modelled: describe it as a spec .yaml "
+                        "with a moe: mapping (its experts are read as "
+                        f"{hf_moe(config, source)})", key="model_type", source=source)
     if model_type and model_type not in HF_MODEL_TYPES:
         raise SpecError(f"model type {model_type!r} is not modelled (dense decoder-only "
                         f"transformers: {', '.join(HF_MODEL_TYPES)})", key="model_type",
@@ -250,6 +385,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
             break
     if head_dim is not None:
         fields["head_dim"] = head_dim
+    moe = hf_moe(config, source)
+    if moe is not None:
+        fields["moe"] = {k: getattr(moe, k) for k in (
+            "experts", "top_k", "expert_ffn_hidden", "shared_experts",
+            "shared_expert_ffn_hidden", "first_dense_layers")}
     return from_mapping(ModelSpec, fields, source=source)
 
 

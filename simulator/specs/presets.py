@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from simulator.specs.model import ModelSpec
+from simulator.specs.model import ModelSpec, MoESpec
 
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int,
@@ -70,6 +70,27 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "qwen3-32b": ModelSpec(name="qwen3-32b", layers=64, hidden=5120, ffn_hidden=25600,
                            heads=64, kv_heads=8, head_dim=128, vocab=151936, mlp="swiglu",
                            tied_embeddings=False, max_seq_len=40960),
+    # Mixture of experts: huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+    # (num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, decoder_sparse_step
+    # 1, mlp_only_layers []; 30.5B total, 3.3B activated per the model card).
+    "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", layers=48, hidden=2048, ffn_hidden=6144,
+                               heads=32, kv_heads=4, head_dim=128, vocab=151936, mlp="swiglu",
+                               tied_embeddings=False, max_seq_len=40960, rope_theta=1e6,
+                               norm_eps=1e-6,
+                               moe=MoESpec(experts=128, top_k=8, expert_ffn_hidden=768)),
+    # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (128 experts, top 8,
+    # moe_intermediate_size 1536; 235B total, 22B activated per the model card).
+    "qwen3-235b-a22b": ModelSpec(name="qwen3-235b-a22b", layers=94, hidden=4096,
+                                 ffn_hidden=12288, heads=64, kv_heads=4, head_dim=128,
+                                 vocab=151936, mlp="swiglu", tied_embeddings=False,
+                                 max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                                 moe=MoESpec(experts=128, top_k=8, expert_ffn_hidden=1536)),
+    # huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (num_local_experts 8,
+    # num_experts_per_tok 2, intermediate_size 14336; 46.7B total, 12.9B active per token).
+    "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, ffn_hidden=14336,
+                              heads=32, kv_heads=8, vocab=32000, mlp="swiglu",
+                              tied_embeddings=False, max_seq_len=32768, rope_theta=1e6,
+                              moe=MoESpec(experts=8, top_k=2, expert_ffn_hidden=14336)),
     # Megatron GPT models of Korthikanti et al. 2022, Table 3 (arXiv 2205.05198).
     "gpt-22b": _megatron_gpt("gpt-22b", 48, 6144, 64),
     "gpt-175b": _megatron_gpt("gpt-175b", 96, 12288, 96),
@@ -83,6 +104,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # nothing downloaded). Vocabulary 64 covers the built-in digit-sorting task.
     "tiny-2l": _llama("tiny-2l", 2, 64, 128, 4, 2, 64, 256, tied=True),
     "tiny-4l": _llama("tiny-4l", 4, 128, 256, 8, 4, 64, 256, tied=True),
+    # tiny-2l with a mixture of 4 experts (top 2) in each layer's MLP: the executor's MoE tests.
+    "tiny-moe-2l": ModelSpec(name="tiny-moe-2l", layers=2, hidden=64, ffn_hidden=128, heads=4,
+                             kv_heads=2, vocab=64, mlp="swiglu", tied_embeddings=True,
+                             max_seq_len=256,
+                             moe=MoESpec(experts=4, top_k=2, expert_ffn_hidden=64)),
     # Heads of 32 dimensions, the smallest vLLM's CPU attention supports
     # (vllm/v1/attention/backends/cpu_attn.py get_supported_head_sizes).
     "tiny-2l-hd32": _llama("tiny-2l-hd32", 2, 128, 256, 4, 2, 64, 256, tied=True),
