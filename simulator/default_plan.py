@@ -12,6 +12,7 @@ from __future__ import annotations
 from profiles.datafile import SpecError
 from simulator.plan import ColocatedSet, Plan, RolePlan
 from simulator.specs.job import JobSpec
+from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
 
@@ -22,6 +23,19 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
     return out
 
 
+def default_ep(model: ModelSpec, stage_ranks: int, gpus_per_node: int) -> int:
+    """The default expert parallel size of an MoE model: the largest power of two that divides
+    the experts and the stage's tp * dp ranks, within one node (its all-to-all stays on
+    NVLink); 1 for a dense model."""
+    if model.moe is None:
+        return 1
+    ep = 1
+    while (ep * 2 <= gpus_per_node and model.moe.experts % (ep * 2) == 0
+           and stage_ranks % (ep * 2) == 0):
+        ep *= 2
+    return ep
+
+
 def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> RolePlan:
     trained = role in job.dataflow.trained_roles
     pin = job.parallel.get(role)
@@ -30,7 +44,11 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
     # Virtual stages need a pipeline: with only vpp pinned, try the shortest one.
     pp = pinned.get("pp", 2 if pinned.get("vpp", 1) > 1 else 1)
     overlap_grad, overlap_param = job.overlap_for(role)
+    dp = max(1, gpus // (tp * pp))
     par = ParallelConfig(
+        ep=pinned.get("ep", 1 if pinned.get("sharding") == "fsdp" else
+                      default_ep(job.model(role), tp * dp, job.cluster.gpus_per_node)),
+        etp=pinned.get("etp", 1),
         overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
         tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), vpp=pinned.get("vpp", 1),
         sharding=pinned.get("sharding", "optimizer" if trained and gpus > tp * pp else "none"),

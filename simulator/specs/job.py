@@ -53,6 +53,10 @@ class RolePin:
     framework allows it, since it is never slower)."""
     overlap_param_gather: bool | None = None
     """Overlap the distributed optimizer's / FSDP's parameter gathers with compute."""
+    ep: int | None = None
+    """MoE: expert parallel size."""
+    etp: int | None = None
+    """MoE: expert tensor parallel size."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,6 +75,13 @@ class RolePin:
 def _check_pin_layout(pin: RolePin, model: ModelSpec, *, key: str) -> None:
     """Reject pinned settings no layout of ``model`` can satisfy (checked when the job loads,
     so a bad pin is reported as such rather than as a plan that does not fit)."""
+    for name in ("ep", "etp"):
+        if getattr(pin, name) not in (None, 1) and model.moe is None:
+            raise SpecError(f"{model.name} is dense: {name} needs a moe: model",
+                            key=f"{key}.{name}")
+    if pin.ep and model.moe is not None and model.moe.experts % pin.ep:
+        raise SpecError(f"ep={pin.ep} does not divide the {model.moe.experts} experts of "
+                        f"{model.name}", key=f"{key}.ep")
     stages = (pin.pp or 1) * (pin.vpp or 1)
     if (pin.pp or pin.vpp) and model.layers % stages:
         what = "pp*vpp" if pin.vpp else "pp"

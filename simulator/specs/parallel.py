@@ -43,6 +43,13 @@ class ParallelConfig:
     """Overlap the gradient reduction with the backward pass of the last micro-batch."""
     overlap_param_gather: bool = True
     """FSDP: prefetch the next layer's parameters while computing this one."""
+    ep: int = 1
+    """Expert parallel size (MoE): each rank of an ep group holds experts / ep of every MoE
+    layer's routed experts, and tokens go to their experts' ranks by all-to-all."""
+    etp: int = 1
+    """Expert tensor parallel size (MoE): each expert's MLP split over etp ranks (Megatron's
+    expert_tensor_parallel_size). ep * etp divides the tp * dp ranks of a pipeline stage,
+    which Megatron regroups into expert-parallel groups."""
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -50,7 +57,7 @@ class ParallelConfig:
         return self._hash
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size"):
+        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp"):
             value = getattr(self, key)
             require(value >= 1, f"must be a positive integer, got {value}", key)
         require(self.vpp == 1 or self.pp > 1, "virtual pipeline stages need pp > 1", "vpp")
@@ -59,7 +66,7 @@ class ParallelConfig:
         object.__setattr__(self, "_hash", hash((
             self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
-            self.overlap_param_gather)))
+            self.overlap_param_gather, self.ep, self.etp)))
 
     @property
     def world_size(self) -> int:
@@ -75,9 +82,33 @@ class ParallelConfig:
         """Number of pieces each parameter is split into for storage (FSDP also splits by dp)."""
         return self.pp * self.tp * (self.dp if self.sharding == "fsdp" else 1)
 
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard (Megatron's expert data parallel size): the stage's
+        tp * dp ranks over ep * etp."""
+        return max(1, self.tp * self.dp // (self.ep * self.etp))
+
     def check_model(self, model: ModelSpec, *, gpus_per_node: int, key: str = "") -> None:
         """Raise SpecError if this layout cannot hold ``model`` on nodes of ``gpus_per_node``."""
         prefix = f"{key}." if key else ""
+        if model.moe is None and (self.ep > 1 or self.etp > 1):
+            raise SpecError(f"{model.name} is dense: expert parallelism needs a moe: model",
+                            key=f"{prefix}{'ep' if self.ep > 1 else 'etp'}")
+        if model.moe is not None:
+            if model.moe.experts % self.ep:
+                raise SpecError(f"ep={self.ep} does not divide the {model.moe.experts} experts "
+                                f"of {model.name}", key=f"{prefix}ep")
+            if model.moe.expert_ffn_hidden % self.etp:
+                raise SpecError(f"etp={self.etp} does not divide expert_ffn_hidden="
+                                f"{model.moe.expert_ffn_hidden} of {model.name}",
+                                key=f"{prefix}etp")
+            if (self.tp * self.dp) % (self.ep * self.etp):
+                raise SpecError(f"ep*etp={self.ep * self.etp} does not divide the tp*dp="
+                                f"{self.tp * self.dp} ranks of a pipeline stage (Megatron forms "
+                                "the expert groups from them)", key=f"{prefix}ep")
+            if self.sharding == "fsdp" and self.ep > 1:
+                raise SpecError("expert parallelism runs with Megatron's layouts (sharding none "
+                                "or optimizer), not FSDP", key=f"{prefix}ep")
         if self.tp > gpus_per_node:
             raise SpecError(f"tp={self.tp} is larger than a node ({gpus_per_node} GPUs); "
                             "tensor parallelism stays inside a node", key=f"{prefix}tp")
@@ -98,6 +129,10 @@ class ParallelConfig:
             label += "-fsdp"
         elif self.sharding == "optimizer":
             label += "-zero1"
+        if self.ep > 1:
+            label += f"-ep{self.ep}"
+        if self.etp > 1:
+            label += f"-etp{self.etp}"
         return label
 
 
