@@ -369,7 +369,7 @@ PARAMETERS: dict[str, Parameter] = {p.name: p for p in (
               lower=1.0, upper=4.0, initial=1.2),
     _correction("train_compute"), _correction("infer_compute"),
     _correction("prefill_compute"), _correction("decode"), _correction("collective"),
-    _correction("train_collective"),
+    _correction("train_collective"), _correction("expert_imbalance"),
 )}
 """Every device-profile parameter ``calibrate`` can fit (``--fit`` chooses a subset)."""
 

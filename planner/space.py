@@ -164,6 +164,10 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         # The torch backend also runs plain replicas (and a whole model per GPU).
         layouts.extend((tp, 1, "none") for tp in tps if not (trained and gpus // tp > 1
                                                               and (tp, 1, "fsdp") in layouts))
+    if model.moe is not None and options.backend != "simulated":
+        # The executor trains mixture-of-experts models with Megatron-core only.
+        layouts = [(tp, pp, sh) for tp, pp, sh in layouts if sh != "fsdp"
+                   and not (torch_only and sh == "none")]
     if options.backend != "simulated":
         # Both executor backends cut every sharded width evenly (heads, KV heads, MLP,
         # vocabulary) and give each pipeline stage the same number of layers.
@@ -190,8 +194,23 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     studies = options.backend == "simulated"
     generation_pipelines = studies
 
+    def expert_layouts(tp: int, pp: int, sharding: str) -> list[tuple[int, int]]:
+        """(ep, etp) to try: pinned, else for an MoE model every power of two within a node
+        that divides the experts and the stage's tp * dp ranks (not with FSDP)."""
+        if model.moe is None:
+            return [(1, 1)]
+        etp = pins.get("etp", 1)
+        ranks = tp * (gpus // (tp * pp))
+        if "ep" in pins:
+            return [(pins["ep"], etp)] if ranks % (pins["ep"] * etp) == 0 else []
+        if sharding == "fsdp":
+            return [(1, etp)] if ranks % etp == 0 else []
+        return [(ep, etp) for ep in _powers_of_two(min(gpn, model.moe.experts))
+                if model.moe.experts % ep == 0 and ranks % (ep * etp) == 0]
+
     out: list[RolePlan] = []
-    for tp, pp, sharding in layouts:
+    candidates = [(t, p, sh, e) for t, p, sh in layouts for e in expert_layouts(t, p, sh)]
+    for tp, pp, sharding, (ep, etp) in candidates:
         if vpp > 1 and (pp == 1 or model.layers % (pp * vpp)):
             continue
         for mbs in micro_batches:
@@ -201,7 +220,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                                      sequence_parallel=sequence_parallel if studies else
                                      sequence_parallel and sharding != "fsdp" and tp > 1,
                                      micro_batch_size=mbs, overlap_grad_reduce=overlap_grad,
-                                     overlap_param_gather=overlap_param)
+                                     overlap_param_gather=overlap_param, ep=ep, etp=etp)
                 backend = "torch" if torch_runs(par) and (sharding == "fsdp" or torch_only) \
                     else "megatron"
                 if not generates:

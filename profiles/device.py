@@ -195,8 +195,10 @@ CORRECTION_KEYS = (
     "collective",
     "train_collective",
     "transfer",
+    "expert_imbalance",
 )
-"""Names of the multiplicative corrections a calibration may fit (1.0 = no correction)."""
+"""Names of the multiplicative corrections a calibration may fit (1.0 = no correction).
+``expert_imbalance`` is the busiest expert's routed tokens over the mean (MoE models)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -62,11 +62,26 @@ class DecodeStepModel:
     tp: int
     hidden_bytes: float
     tp_crosses_nodes: bool
+    expert_bytes_per_gpu: float = 0.0
+    """MoE: every routed expert's weights on this GPU (``weight_bytes_per_gpu`` holds the rest:
+    attention, router, shared experts, head)."""
+    expert_touch_probability: float = 0.0
+    """MoE: the chance that one token routes to a given expert (top_k / experts)."""
+
+    def weight_bytes_read(self, batch: float) -> float:
+        """Weights one decode step reads: all dense weights, and of a MoE model's routed
+        experts those at least one of the ``batch`` tokens routes to (uniform routing: each
+        expert is missed by every token with probability 1 - top_k / experts), so the read
+        grows from the active experts at batch 1 towards every expert at large batches."""
+        if self.expert_bytes_per_gpu <= 0:
+            return self.weight_bytes_per_gpu
+        touched = 1.0 - (1.0 - self.expert_touch_probability) ** max(batch, 1.0)
+        return self.weight_bytes_per_gpu + touched * self.expert_bytes_per_gpu
 
     def step_seconds(self, profile: DeviceProfile, dtype: str, batch: float,
                      kv_tokens: float, cuda_graphs: bool = False,
                      host_seconds_per_sequence: float = 0.0) -> float:
-        bytes_read = self.weight_bytes_per_gpu + kv_tokens * self.kv_bytes_per_token_per_gpu
+        bytes_read = self.weight_bytes_read(batch) + kv_tokens * self.kv_bytes_per_token_per_gpu
         memory = bytes_read / (profile.memory_bandwidth_bytes_per_s
                                * profile.efficiency.memory.at(bytes_read))
         gemm, comm_and_launches = _batch_terms(self, profile, dtype, batch, cuda_graphs)
@@ -128,6 +143,15 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
     layers = model.layers / pp
     head = model.hidden * model.vocab / tp
     weights = (layers * model.linear_params_per_layer() / tp + head) * b
+    expert_bytes = touch = 0.0
+    if model.moe is not None:
+        # The engine splits every expert over the tensor-parallel ranks (vLLM's default,
+        # without --enable-expert-parallel); the active experts leave the dense part.
+        per_layer_active = model.moe_layers / model.layers * model.moe.top_k \
+            * model.expert_params_per_moe_layer
+        weights -= layers * per_layer_active / tp * b
+        expert_bytes = layers * model.expert_params() / model.layers / tp * b
+        touch = model.moe.top_k / model.moe.experts
     kv_heads_local = math.ceil(model.kv_heads / tp)  # KV heads are replicated when tp > kv
     kv_per_token = 2 * layers * kv_heads_local * model.head_dim_value * b
     matmul = 2 * (layers * model.linear_params_per_layer() / tp + head)
@@ -142,6 +166,8 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         tp=tp,
         hidden_bytes=model.hidden * b,
         tp_crosses_nodes=group_crosses_nodes(tp, 1, gpus_per_node),
+        expert_bytes_per_gpu=expert_bytes,
+        expert_touch_probability=touch,
     )
 
 

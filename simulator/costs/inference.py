@@ -10,7 +10,7 @@ from functools import lru_cache
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
-from simulator.costs.training import data_parallel_span
+from simulator.costs.training import data_parallel_span, expert_parallel_span
 from simulator.costs.transformer import (
     AttentionImpl,
     embedding_seconds,
@@ -48,7 +48,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
-                       attention=attention, recompute="none", tp_crosses_nodes=tp_cross)
+                       attention=attention, recompute="none", tp_crosses_nodes=tp_cross,
+                       ep=par.ep, etp=par.etp, ep_span=expert_parallel_span(par, gpus_per_node))
     tokens = mbs * seq_len
     # The fitted compute correction scales kernels only, not collectives or per-call costs.
     compute_scale = profile.correction("infer_compute")
@@ -92,10 +93,12 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     # One layer's intermediate tensors are live at a time, plus fp32 logits and log-softmax.
     activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local
     if par.sharding == "fsdp":
-        weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head) / par.dp \
+        weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
+                                    etp=par.etp) / par.dp \
             * DTYPE_BYTES[dtype]
     else:
-        weights = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head) \
+        weights = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
+                                    ep=par.ep, etp=par.etp) \
             * DTYPE_BYTES[dtype]
     return InferenceCost(seconds=seconds,
                          memory=MemoryBreakdown(params=weights, activations=activations),

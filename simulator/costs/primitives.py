@@ -172,6 +172,25 @@ def reduce_scatter_seconds(profile: DeviceProfile, input_bytes: float, group: in
                               correction=correction)
 
 
+def all_to_all_seconds(profile: DeviceProfile, send_bytes: float, group: int, *,
+                       span: Span | None = None, correction: str = "collective") -> float:
+    """All-to-all where each of ``group`` devices sends ``send_bytes`` split evenly over the
+    group (its own share stays). The shares to ranks of the same node go over NVLink and those
+    to other nodes over the node's NICs, at the same time (NCCL posts every peer's send at
+    once): the slower of the two, with one link latency per peer node."""
+    if group <= 1 or send_bytes <= 0:
+        return 0.0
+    span = span or WITHIN_NODE
+    chunk = send_bytes / group
+    if not span.crosses_nodes:
+        wire = (group - 1) / group * send_bytes
+        return _intra_seconds(profile, wire, chunk) * profile.correction(correction)
+    k, n = span.ranks_per_node, span.nodes
+    intra = _intra_seconds(profile, (k - 1) * chunk, chunk) if k > 1 else 0.0
+    inter = _inter_seconds(profile, (group - k) * chunk, chunk, n - 1, span)
+    return max(intra, inter) * profile.correction(correction)
+
+
 def _resolve(span: Span | None, crosses_nodes: bool, group: int) -> Span:
     if span is not None:
         return span

@@ -75,7 +75,8 @@ def optimizer_state_bytes_per_param(dtype: str) -> int:
 
 def fsdp_local_param_count(model: ModelSpec, par: ParallelConfig, *, value_head: bool) -> float:
     """Parameters of one FSDP rank: its tensor-parallel share, split over the dp ranks."""
-    return stage_param_count(model, tp=par.tp, pp=1, value_head=value_head) / par.dp
+    return stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
+                             etp=par.etp) / par.dp
 
 
 def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
@@ -95,7 +96,8 @@ def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
         return MemoryBreakdown(params=local * FSDP_PARAM_BYTES + working,
                                grads=local * MAIN_GRAD_BYTES,
                                optimizer=local * (ADAM_STATE_BYTES - FSDP_PARAM_BYTES))
-    local = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head)
+    local = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head, ep=par.ep,
+                              etp=par.etp)
     if not trainable:
         return MemoryBreakdown(params=local * b)
     optimizer_shards = par.dp if par.sharding == "optimizer" else 1
@@ -109,6 +111,14 @@ def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
     parallelism innermost), and every rank of the node reduces at the same moment (each
     model-parallel rank has its own data-parallel group)."""
     return group_span(par.dp, par.tp, gpus_per_node,
+                      busy_ranks_per_node=par.tp * par.dp * par.pp)
+
+
+def expert_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
+    """Where an expert-parallel group sits: ep x etp consecutive ranks of a stage (Megatron
+    builds the expert groups from the tp x dp ranks with the expert tensor ranks innermost),
+    every rank of the node exchanging tokens at the same moment."""
+    return group_span(par.ep * par.etp, 1, gpus_per_node,
                       busy_ranks_per_node=par.tp * par.dp * par.pp)
 
 
@@ -134,7 +144,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
                        attention=attention, recompute=par.recompute,
-                       tp_crosses_nodes=tp_cross)
+                       tp_crosses_nodes=tp_cross, ep=par.ep, etp=par.etp,
+                       ep_span=expert_parallel_span(par, gpus_per_node))
     layers_per_stage = model.layers / par.pp
     tokens = mbs * seq_len
 
@@ -218,7 +229,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         p2p_total = 2 * one * (micro_batches + par.pp - 1) * par.vpp
 
     # Gradient reduction over data-parallel replicas (FSDP already reduce-scattered).
-    local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head)
+    local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
+                                     ep=par.ep, etp=par.etp)
     dp_comm = 0.0
     if par.dp > 1 and par.sharding != "fsdp":
         dp_span = data_parallel_span(par, gpus_per_node)

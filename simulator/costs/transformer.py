@@ -15,8 +15,10 @@ from typing import Literal
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.primitives import (
+    Span,
     all_gather_seconds,
     all_reduce_seconds,
+    all_to_all_seconds,
     attention_kernel_seconds,
     gemm_seconds,
     memory_seconds,
@@ -60,8 +62,12 @@ class LayerCost:
 @lru_cache(maxsize=65536)
 def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, seq_len: float,
                tp: int, sequence_parallel: bool, dtype: str, attention: AttentionImpl = "flash",
-               recompute: str = "none", tp_crosses_nodes: bool = False) -> LayerCost:
-    """Cost of one block processing ``micro_batch`` sequences of ``seq_len`` tokens."""
+               recompute: str = "none", tp_crosses_nodes: bool = False, ep: int = 1,
+               etp: int = 1, ep_span: Span | None = None) -> LayerCost:
+    """Cost of one block processing ``micro_batch`` sequences of ``seq_len`` tokens. For a
+    mixture-of-experts model the block is the mean over the layers (the leading dense ones
+    and the MoE ones), its experts laid out over ``ep`` x ``etp`` ranks (``ep_span``: where
+    the expert-parallel group sits)."""
     b = DTYPE_BYTES[dtype]
     h = model.hidden
     q = model.q_size
@@ -75,13 +81,29 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
 
     # --- GEMMs (forward); backward is dgrad + wgrad of the same shapes ---
     mlp_in_width = (2 if swiglu else 1) * ffn / tp
-    gemms = (
-        gemm_seconds(profile, tokens, (q + 2 * kv) / tp, h, dtype)
-        + gemm_seconds(profile, tokens, h, q / tp, dtype)
-        + gemm_seconds(profile, tokens, mlp_in_width, h, dtype)
-        + gemm_seconds(profile, tokens, h, ffn / tp, dtype)
-    )
-    gemm_flops = 2 * tokens * (h * (q + 2 * kv) + q * h + h * mlp_in_width * tp + ffn * h) / tp
+    attention_gemms = (gemm_seconds(profile, tokens, (q + 2 * kv) / tp, h, dtype)
+                       + gemm_seconds(profile, tokens, h, q / tp, dtype))
+    attention_flops = 2 * tokens * (h * (q + 2 * kv) + q * h) / tp
+    dense_mlp = (gemm_seconds(profile, tokens, mlp_in_width, h, dtype)
+                 + gemm_seconds(profile, tokens, h, ffn / tp, dtype))
+    dense_mlp_flops = 2 * tokens * (h * mlp_in_width * tp + ffn * h) / tp
+    moe = model.moe
+    expert_a2a = 0.0
+    if moe is None:
+        gemms = attention_gemms + dense_mlp
+        gemm_flops = attention_flops + dense_mlp_flops
+        activation_width = ffn / tp
+    else:
+        moe_mlp, moe_flops, expert_a2a = moe_mlp_cost(
+            model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype, ep=ep,
+            etp=etp, ep_span=ep_span)
+        share = model.moe_layers / model.layers
+        gemms = attention_gemms + share * moe_mlp + (1 - share) * dense_mlp
+        gemm_flops = attention_flops + share * moe_flops + (1 - share) * dense_mlp_flops
+        # Every token's activation runs over its top_k experts' and the shared experts' widths.
+        active_width = (moe.top_k * moe.expert_ffn_hidden
+                        + moe.shared_experts * moe.shared_ffn) / tp
+        activation_width = share * active_width + (1 - share) * ffn / tp
 
     # --- attention core ---
     hd = model.head_dim_value
@@ -110,7 +132,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         2 * 2 * h * b / sp_div                                    # two norms: read + write
         + 2 * 3 * h * b / sp_div                                  # two residual adds
         + (2 * (2 * h * b + h) / sp_div if model.dropout else 0)  # two dropouts + masks
-        + ((3 if swiglu else 2) * ffn * b / tp)                   # activation function
+        + ((3 if swiglu else 2) * activation_width * b)          # activation function
         + (2 * (q + kv) * b / tp if model.learned_positions == 0 else 0)  # rotary on q, k
     )
     elementwise_kernels = 4 + (2 if model.dropout else 0) + 1 + (
@@ -142,6 +164,12 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         tp_fwd = tp_comm("collective")
         tp_fwd_training = tp_comm("train_collective")
         tp_bwd = tp_fwd_training
+    # MoE token dispatch and combine (two all-to-alls each way) ride with the layer's other
+    # model-parallel communication: not overlapped with compute.
+    share = model.moe_layers / model.layers
+    tp_fwd += share * expert_a2a
+    tp_fwd_training += share * expert_a2a
+    tp_bwd += share * expert_a2a
 
     # --- saved activations (bytes) ---
     input_bytes = tokens * h * b / sp_div
@@ -152,7 +180,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
             2 * h * b / sp_div                       # norm-1 input and QKV input
             + (q + 2 * kv) * b / tp                  # Q, K, V
             + 2 * h * b / sp_div                     # norm-2 input and MLP input
-            + (3 if swiglu else 2) * ffn * b / tp    # MLP: up (+ gate) and activation outputs
+            + (3 if swiglu else 2) * activation_width * b  # MLP: up (+ gate), activation out
             + (2 * h / sp_div if model.dropout else 0)  # two dropout masks (1 byte)
         )
         if attention == "flash":
@@ -175,6 +203,52 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         input_bytes=input_bytes,
         forward_flops=gemm_flops + core_flops,
     )
+
+
+MOE_IMBALANCE_CORRECTION = "expert_imbalance"
+"""The profile correction that scales the busiest expert's share of the routed tokens over the
+mean (1.0, perfect balance, in the shipped profiles: no public measurement of the tokens per
+expert under auxiliary-loss balancing was found; ``hybridflow calibrate --fit
+expert_imbalance`` fits it on MoE runs)."""
+
+
+def moe_mlp_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
+                 sequence_parallel: bool, dtype: str, ep: int, etp: int,
+                 ep_span: Span | None) -> tuple[float, float, float]:
+    """(forward GEMM seconds, forward FLOPs, all-to-all seconds of one direction's dispatch +
+    combine) of one MoE layer's MLP on one GPU, for ``tokens`` tokens of its tensor-parallel
+    group. The router is a GEMM over the GPU's tokens; each GPU holds experts / ep routed
+    experts (each split over etp ranks) and computes them at their real per-expert batch:
+    the routed token copies of the group (tokens x top_k) spread over the experts, scaled by
+    the load imbalance of the busiest expert; shared experts are a dense MLP split by tp."""
+    moe = model.moe
+    assert moe is not None
+    h = model.hidden
+    b = DTYPE_BYTES[dtype]
+    mats_in = 2 if model.mlp == "swiglu" else 1
+    local_tokens = tokens / tp  # each GPU's share of its tensor-parallel group's tokens
+    router = gemm_seconds(profile, tokens / (tp if sequence_parallel else 1), moe.experts, h,
+                          dtype)
+    # The ep x etp ranks exchange tokens so that each expert sees every copy routed to it.
+    imbalance = profile.correction(MOE_IMBALANCE_CORRECTION)
+    per_expert = local_tokens * moe.top_k * ep * etp / moe.experts * imbalance
+    local_experts = moe.experts / ep
+    width = moe.expert_ffn_hidden / etp
+    experts = (gemm_seconds(profile, per_expert, mats_in * width, h, dtype, count=local_experts)
+               + gemm_seconds(profile, per_expert, h, width, dtype, count=local_experts))
+    flops = 2 * local_tokens * h * moe.experts + 2 * per_expert * local_experts * (
+        mats_in + 1) * width * h
+    if moe.shared_experts:
+        shared_width = moe.shared_experts * moe.shared_ffn / tp
+        experts += (gemm_seconds(profile, tokens, mats_in * shared_width, h, dtype)
+                    + gemm_seconds(profile, tokens, h, shared_width, dtype))
+        flops += 2 * tokens * (mats_in + 1) * shared_width * h
+    a2a = 0.0
+    if ep * etp > 1:
+        # Each rank sends its tokens' top_k copies (hidden wide) out and receives them back.
+        copies_bytes = local_tokens * moe.top_k * h * b
+        a2a = 2 * all_to_all_seconds(profile, copies_bytes, ep * etp, span=ep_span)
+    return router + experts, flops, a2a
 
 
 def head_forward_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
@@ -215,7 +289,8 @@ def embedding_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float
     return memory_seconds(profile, 2 * tokens * model.hidden * DTYPE_BYTES[dtype])
 
 
-def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool) -> float:
+def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, ep: int = 1,
+                      etp: int = 1) -> float:
     """Parameters on one GPU of the most loaded pipeline stage (embedding on the first stage,
     final norm and output head on the last; a tied embedding is duplicated on the last stage
     when pp > 1). Tensor parallelism splits the matrices, the vocabulary and the
@@ -223,7 +298,11 @@ def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool) -
     row-parallel biases, learned positions and a value head (Megatron's and DTensor's
     layouts alike)."""
     replicated = model.replicated_params_per_layer
-    layers = model.layers / pp * ((model.params_per_layer - replicated) / tp + replicated)
+    # MoE: the routed experts are split over the ep x etp ranks instead (Megatron's expert
+    # parallel layout); the router and shared experts follow tensor parallelism.
+    experts = model.expert_params() / model.layers
+    layers = model.layers / pp * ((model.params_per_layer - replicated - experts) / tp
+                                  + experts / (ep * etp) + replicated)
     embedding = model.vocab * model.hidden / tp + model.learned_positions * model.hidden
     if value_head:
         head = model.hidden + 1

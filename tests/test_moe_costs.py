@@ -1,0 +1,129 @@
+"""Mixture-of-experts cost mechanisms: expert GEMMs at their per-expert batch, the token
+all-to-all over the expert-parallel group, expert weights sharded by ep, decode reading the
+experts its batch touches, and the search over ep."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.search import Search, SearchOptions
+from planner.space import SpaceOptions
+from profiles.datafile import SpecError
+from profiles.device import load_profile
+from simulator.costs.generation import decode_step_model
+from simulator.costs.primitives import Span, all_to_all_seconds
+from simulator.costs.training import train_step
+from simulator.costs.transformer import MOE_IMBALANCE_CORRECTION, layer_cost, stage_param_count
+from simulator.specs.job import job_from_mapping
+from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+QWEN3_30B = MODEL_PRESETS["qwen3-30b-a3b"]
+H100 = load_profile("h100-80gb")
+
+
+def test_expert_weights_are_sharded_by_ep_and_the_rest_by_tp():
+    one = stage_param_count(QWEN3_30B, tp=1, pp=1, value_head=False)
+    eight = stage_param_count(QWEN3_30B, tp=1, pp=1, value_head=False, ep=8)
+    assert one == pytest.approx(QWEN3_30B.param_count)
+    assert one - eight == pytest.approx(QWEN3_30B.expert_params() * 7 / 8)
+
+
+def test_all_to_all_is_free_alone_and_slower_across_nodes():
+    assert all_to_all_seconds(H100, 1e8, 1) == 0.0
+    inside = all_to_all_seconds(H100, 1e8, 8)
+    across = all_to_all_seconds(H100, 1e8, 16, span=Span(ranks_per_node=8, nodes=2,
+                                                          busy_ranks_per_node=8,
+                                                          gpus_per_node=8))
+    assert 0 < inside < across
+
+
+def _layer(ep, **kw):
+    return layer_cost(QWEN3_30B, kw.pop("profile", H100), micro_batch=1, seq_len=4096, tp=1,
+                      sequence_parallel=False, dtype="bf16", ep=ep, **kw)
+
+
+def test_moe_layer_prices_the_token_exchange_and_small_expert_gemms():
+    alone, spread = _layer(1), _layer(8)
+    # No exchange without expert parallelism; with it, dispatch and combine each way.
+    assert alone.tp_forward_seconds == 0.0 < spread.tp_forward_seconds
+    # The same active FLOPs per token as a dense MLP of top_k x expert width...
+    dense = dataclasses.replace(QWEN3_30B, moe=None)
+    dense_layer = layer_cost(dense, H100, micro_batch=1, seq_len=4096, tp=1,
+                             sequence_parallel=False, dtype="bf16")
+    assert spread.forward_flops == pytest.approx(dense_layer.forward_flops, rel=0.05)
+    # ...but 128 small GEMMs (32 tokens each at ep 1) instead of one large one: slower.
+    assert alone.forward_seconds > dense_layer.forward_seconds
+
+
+def test_load_imbalance_correction_slows_the_experts():
+    skewed = dataclasses.replace(H100, corrections={**H100.corrections,
+                                                    MOE_IMBALANCE_CORRECTION: 1.5})
+    assert _layer(8, profile=skewed).forward_seconds > _layer(8).forward_seconds
+
+
+def test_training_step_compute_follows_active_parameters():
+    par = ParallelConfig(tp=1, dp=8, ep=8, sharding="optimizer", micro_batch_size=1)
+    moe = train_step(QWEN3_30B, H100, par, global_batch=64, seq_len=4096)
+    dense = train_step(MODEL_PRESETS["qwen2.5-32b"], H100,
+                       ParallelConfig(tp=1, dp=8, sharding="optimizer", micro_batch_size=1),
+                       global_batch=64, seq_len=4096)
+    assert moe.seconds < dense.seconds / 3  # 3.3B active against 32B
+    # Memory follows the total: 30B of weights, experts split 8 ways.
+    assert moe.memory.params == pytest.approx(
+        stage_param_count(QWEN3_30B, tp=1, pp=1, value_head=False, ep=8) * 2)
+
+
+def test_decode_reads_the_active_experts_at_batch_one_and_all_at_large_batches():
+    step = decode_step_model(QWEN3_30B, GenerationConfig(tp=1), "bf16", 8)
+    one, large = step.weight_bytes_read(1), step.weight_bytes_read(1024)
+    # The input embedding is a lookup, not read whole per step.
+    embedding = QWEN3_30B.embedding_params
+    assert one == pytest.approx((QWEN3_30B.active_param_count - embedding) * 2, rel=0.02)
+    assert large == pytest.approx((QWEN3_30B.param_count - embedding) * 2, rel=0.02)
+    assert step.step_seconds(H100, "bf16", 256, 0) > step.step_seconds(H100, "bf16", 1, 0)
+
+
+@pytest.mark.parametrize(("par", "key"), [
+    (ParallelConfig(dp=8, ep=3), "ep"),
+    (ParallelConfig(dp=2, ep=4), "ep"),
+    (ParallelConfig(dp=8, ep=8, sharding="fsdp"), "ep"),
+    (ParallelConfig(dp=8, etp=5), "etp"),
+])
+def test_expert_layouts_megatron_cannot_form_are_refused(par, key):
+    with pytest.raises(SpecError) as info:
+        par.check_model(QWEN3_30B, gpus_per_node=8, key="actor")
+    assert f"actor.{key}" in str(info.value)
+
+
+def test_dense_models_refuse_expert_parallelism():
+    with pytest.raises(SpecError, match="dense"):
+        ParallelConfig(dp=8, ep=2).check_model(MODEL_PRESETS["qwen2.5-7b"], gpus_per_node=8)
+    with pytest.raises(SpecError, match="parallel.actor.ep"):
+        job_from_mapping({"algorithm": "grpo",
+                          "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b",
+                                     "reward": "rule"},
+                          "cluster": {"nodes": 1, "gpus_per_node": 8},
+                          "workload": {"samples_per_prompt": 4},
+                          "parallel": {"actor": {"ep": 2}}})
+
+
+def _moe_job(**parallel):
+    return job_from_mapping({
+        "algorithm": "grpo",
+        "models": {"actor": "qwen3-30b-a3b", "ref": "qwen3-30b-a3b", "reward": "rule"},
+        "cluster": {"nodes": 4, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 512, "samples_per_prompt": 8,
+                     "prompt_length": 1024, "response_length": 2048},
+        "parallel": parallel})
+
+
+def test_search_chooses_expert_parallelism_and_honours_a_pin():
+    result = Search(_moe_job(), SearchOptions(space=SpaceOptions(backend="megatron"))).run(top_k=3)
+    best = result.ranking[0].to_plan(_moe_job())
+    assert best.roles["actor"].parallel.ep > 1
+    pinned_job = _moe_job(actor={"ep": 2})
+    pinned = Search(pinned_job, SearchOptions(space=SpaceOptions(backend="megatron"))).run(top_k=3)
+    assert all(c.to_plan(pinned_job).roles["actor"].parallel.ep == 2 for c in pinned.ranking)
