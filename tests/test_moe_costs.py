@@ -101,7 +101,7 @@ def test_expert_layouts_megatron_cannot_form_are_refused(par, key):
 def test_dense_models_refuse_expert_parallelism():
     with pytest.raises(SpecError, match="dense"):
         ParallelConfig(dp=8, ep=2).check_model(MODEL_PRESETS["qwen2.5-7b"], gpus_per_node=8)
-    with pytest.raises(SpecError, match="parallel.actor.ep"):
+    with pytest.raises(SpecError, match=r"parallel\.actor\.ep"):
         job_from_mapping({"algorithm": "grpo",
                           "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b",
                                      "reward": "rule"},
