@@ -122,7 +122,8 @@ def _training_row(group: str, spec: dict, profile, case: dict) -> dict:
                          recompute=case.get("recompute", "none"),
                          sequence_parallel=case.get("sequence_parallel", tp > 1),
                          sharding=case.get("sharding", "none"),
-                         overlap_grad_reduce=overlap, overlap_param_gather=overlap)
+                         overlap_grad_reduce=overlap, overlap_param_gather=overlap,
+                         ep=case.get("ep", 1), etp=case.get("etp", 1))
     cost = train_step(model, profile, par, global_batch=case["global_batch"],
                       seq_len=case["seq_len"], dtype=spec["dtype"],
                       grad_bytes=case.get("grad_bytes", 4))

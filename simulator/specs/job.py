@@ -97,8 +97,9 @@ def _check_pin_layout(pin: RolePin, model: ModelSpec, *, key: str) -> None:
         raise SpecError(f"generation_pp={pin.generation_pp} does not divide the {model.layers} "
                         f"layers of {model.name}", key=f"{key}.generation_pp")
     # 3D-HybridEngine: without FSDP each GPU's training shard must lie inside its generation
-    # shard, so the generation sizes divide the training ones.
-    if pin.sharding not in (None, "fsdp"):
+    # shard, so the generation sizes divide the training ones (an MoE model with ep > 1 spans
+    # the ep group too: GenerationConfig.check judges that once the layout is known).
+    if pin.sharding not in (None, "fsdp") and (pin.ep or 1) == 1:
         for train_key, gen_key in (("tp", "generation_tp"), ("pp", "generation_pp")):
             train, gen = getattr(pin, train_key), getattr(pin, gen_key)
             if train is not None and gen is not None and train % gen:

@@ -176,13 +176,18 @@ class GenerationConfig:
         """Raise SpecError if the generation layout does not fit the training layout."""
         self.check_shape(model, gpus_per_node=gpus_per_node, key=key)
         shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
+        if train.ep > 1:
+            # One copy of an MoE model spans tp x pp x ep ranks (the experts are spread over
+            # the ep group): the generation shard gathers its experts from that group.
+            shards *= train.ep
         if shards % self.model_parallel_size:
             raise SpecError(
                 f"generation tp*pp={self.model_parallel_size} must divide the training "
                 f"{'world size' if train.sharding == 'fsdp' else 'tp*pp'}={shards} "
                 "(3D-HybridEngine: each GPU's training shard lies inside its generation shard)",
                 key=f"{key}.tp")
-        if train.sharding != "fsdp" and (train.tp % self.tp or train.pp % self.pp):
+        if train.sharding != "fsdp" and train.ep == 1 and (train.tp % self.tp
+                                                            or train.pp % self.pp):
             raise SpecError(f"generation tp={self.tp}, pp={self.pp} must divide training "
                             f"tp={train.tp}, pp={train.pp}", key=f"{key}.tp")
 
