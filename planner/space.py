@@ -220,7 +220,8 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                                      sequence_parallel=sequence_parallel if studies else
                                      sequence_parallel and sharding != "fsdp" and tp > 1,
                                      micro_batch_size=mbs, overlap_grad_reduce=overlap_grad,
-                                     overlap_param_gather=overlap_param, ep=ep, etp=etp)
+                                     overlap_param_gather=overlap_param, ep=ep, etp=etp,
+                                     moe_dispatcher=pins.get("moe_dispatcher", "alltoall"))
                 backend = "torch" if torch_runs(par) and (sharding == "fsdp" or torch_only) \
                     else "megatron"
                 if not generates:

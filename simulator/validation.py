@@ -123,7 +123,8 @@ def _training_row(group: str, spec: dict, profile, case: dict) -> dict:
                          sequence_parallel=case.get("sequence_parallel", tp > 1),
                          sharding=case.get("sharding", "none"),
                          overlap_grad_reduce=overlap, overlap_param_gather=overlap,
-                         ep=case.get("ep", 1), etp=case.get("etp", 1))
+                         ep=case.get("ep", 1), etp=case.get("etp", 1),
+                         moe_dispatcher=case.get("moe_dispatcher", "alltoall"))
     cost = train_step(model, profile, par, global_batch=case["global_batch"],
                       seq_len=case["seq_len"], dtype=spec["dtype"],
                       grad_bytes=case.get("grad_bytes", 4))

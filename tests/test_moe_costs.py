@@ -127,3 +127,22 @@ def test_search_chooses_expert_parallelism_and_honours_a_pin():
     pinned_job = _moe_job(actor={"ep": 2})
     pinned = Search(pinned_job, SearchOptions(space=SpaceOptions(backend="megatron"))).run(top_k=3)
     assert all(c.to_plan(pinned_job).roles["actor"].parallel.ep == 2 for c in pinned.ranking)
+
+
+def test_flex_dispatch_sends_a_token_once_per_remote_node():
+    from simulator.costs.transformer import flex_dispatch_seconds, remote_nodes_per_token
+
+    # 8 experts on 2 nodes, top 2: the other node is missed with C(4,2)/C(8,2) = 6/28.
+    assert remote_nodes_per_token(8, 2, 2) == pytest.approx(1 - 6 / 28)
+    assert remote_nodes_per_token(128, 8, 1) == 0.0
+    span = Span(ranks_per_node=8, nodes=2, busy_ranks_per_node=8, gpus_per_node=8)
+    tokens, token_bytes = 4096, 2 * QWEN3_30B.hidden
+    flex = flex_dispatch_seconds(H100, QWEN3_30B.moe, tokens=tokens, token_bytes=token_bytes,
+                                 group=16, span=span)
+    copies = all_to_all_seconds(H100, tokens * QWEN3_30B.moe.top_k * token_bytes, 16,
+                                span=span)
+    assert 0 < flex < copies  # top 8 of 128: ~1 copy crosses instead of ~4
+    par = ParallelConfig(dp=16, ep=16, sharding="optimizer", moe_dispatcher="flex")
+    plain = dataclasses.replace(par, moe_dispatcher="alltoall")
+    assert train_step(QWEN3_30B, H100, par, global_batch=64, seq_len=4096).seconds < \
+        train_step(QWEN3_30B, H100, plain, global_batch=64, seq_len=4096).seconds

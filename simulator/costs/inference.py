@@ -49,7 +49,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
                        attention=attention, recompute="none", tp_crosses_nodes=tp_cross,
-                       ep=par.ep, etp=par.etp, ep_span=expert_parallel_span(par, gpus_per_node))
+                       ep=par.ep, etp=par.etp, ep_span=expert_parallel_span(par, gpus_per_node),
+                       dispatcher=par.moe_dispatcher)
     tokens = mbs * seq_len
     # The fitted compute correction scales kernels only, not collectives or per-call costs.
     compute_scale = profile.correction("infer_compute")

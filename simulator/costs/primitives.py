@@ -185,9 +185,22 @@ def all_to_all_seconds(profile: DeviceProfile, send_bytes: float, group: int, *,
     if not span.crosses_nodes:
         wire = (group - 1) / group * send_bytes
         return _intra_seconds(profile, wire, chunk) * profile.correction(correction)
-    k, n = span.ranks_per_node, span.nodes
-    intra = _intra_seconds(profile, (k - 1) * chunk, chunk) if k > 1 else 0.0
-    inter = _inter_seconds(profile, (group - k) * chunk, chunk, n - 1, span)
+    k = span.ranks_per_node
+    return exchange_seconds(profile, (k - 1) * chunk, (group - k) * chunk, chunk, chunk, span,
+                            correction=correction)
+
+
+def exchange_seconds(profile: DeviceProfile, intra_bytes: float, inter_bytes: float,
+                     intra_message_bytes: float, inter_message_bytes: float, span: Span, *,
+                     correction: str = "collective") -> float:
+    """One rank's share of an exchange across ``span``'s nodes: ``intra_bytes`` to ranks of its
+    own node over NVLink while ``inter_bytes`` leave through its share of the NICs, in
+    messages of the given sizes (which set the achieved fraction of each link); the slower
+    of the two, with one link latency per peer node."""
+    intra = _intra_seconds(profile, intra_bytes, intra_message_bytes) if intra_bytes > 0 \
+        else 0.0
+    inter = _inter_seconds(profile, inter_bytes, inter_message_bytes, span.nodes - 1, span) \
+        if inter_bytes > 0 else 0.0
     return max(intra, inter) * profile.correction(correction)
 
 

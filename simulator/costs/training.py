@@ -145,7 +145,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
                        attention=attention, recompute=par.recompute,
                        tp_crosses_nodes=tp_cross, ep=par.ep, etp=par.etp,
-                       ep_span=expert_parallel_span(par, gpus_per_node))
+                       ep_span=expert_parallel_span(par, gpus_per_node),
+                       dispatcher=par.moe_dispatcher)
     layers_per_stage = model.layers / par.pp
     tokens = mbs * seq_len
 

@@ -9,6 +9,7 @@ parallelism a layer saves s*b*h*(34 + 5*a*s/h) bytes in 16-bit, which ``layer_co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -20,11 +21,12 @@ from simulator.costs.primitives import (
     all_reduce_seconds,
     all_to_all_seconds,
     attention_kernel_seconds,
+    exchange_seconds,
     gemm_seconds,
     memory_seconds,
     reduce_scatter_seconds,
 )
-from simulator.specs.model import ModelSpec
+from simulator.specs.model import ModelSpec, MoESpec
 
 AttentionImpl = Literal["flash", "unfused"]
 """flash: fused attention that never stores the s x s scores (FlashAttention-2);
@@ -63,7 +65,8 @@ class LayerCost:
 def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, seq_len: float,
                tp: int, sequence_parallel: bool, dtype: str, attention: AttentionImpl = "flash",
                recompute: str = "none", tp_crosses_nodes: bool = False, ep: int = 1,
-               etp: int = 1, ep_span: Span | None = None) -> LayerCost:
+               etp: int = 1, ep_span: Span | None = None,
+               dispatcher: str = "alltoall") -> LayerCost:
     """Cost of one block processing ``micro_batch`` sequences of ``seq_len`` tokens. For a
     mixture-of-experts model the block is the mean over the layers (the leading dense ones
     and the MoE ones), its experts laid out over ``ep`` x ``etp`` ranks (``ep_span``: where
@@ -96,7 +99,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     else:
         moe_mlp, moe_flops, expert_a2a = moe_mlp_cost(
             model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype, ep=ep,
-            etp=etp, ep_span=ep_span)
+            etp=etp, ep_span=ep_span, dispatcher=dispatcher)
         share = model.moe_layers / model.layers
         gemms = attention_gemms + share * moe_mlp + (1 - share) * dense_mlp
         gemm_flops = attention_flops + share * moe_flops + (1 - share) * dense_mlp_flops
@@ -214,7 +217,8 @@ expert_imbalance`` fits it on MoE runs)."""
 
 def moe_mlp_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
                  sequence_parallel: bool, dtype: str, ep: int, etp: int,
-                 ep_span: Span | None) -> tuple[float, float, float]:
+                 ep_span: Span | None, dispatcher: str = "alltoall"
+                 ) -> tuple[float, float, float]:
     """(forward GEMM seconds, forward FLOPs, all-to-all seconds of one direction's dispatch +
     combine) of one MoE layer's MLP on one GPU, for ``tokens`` tokens of its tensor-parallel
     group. The router is a GEMM over the GPU's tokens; each GPU holds experts / ep routed
@@ -244,11 +248,40 @@ def moe_mlp_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp:
                     + gemm_seconds(profile, tokens, h, shared_width, dtype))
         flops += 2 * tokens * (mats_in + 1) * shared_width * h
     a2a = 0.0
-    if ep * etp > 1:
+    group = ep * etp
+    if group > 1:
         # Each rank sends its tokens' top_k copies (hidden wide) out and receives them back.
         copies_bytes = local_tokens * moe.top_k * h * b
-        a2a = 2 * all_to_all_seconds(profile, copies_bytes, ep * etp, span=ep_span)
+        span = ep_span or Span()
+        if dispatcher == "flex" and span.crosses_nodes:
+            a2a = 2 * flex_dispatch_seconds(profile, moe, tokens=local_tokens,
+                                            token_bytes=h * b, group=group, span=span)
+        else:
+            a2a = 2 * all_to_all_seconds(profile, copies_bytes, group, span=ep_span)
     return router + experts, flops, a2a
+
+
+def remote_nodes_per_token(experts: int, top_k: int, nodes: int) -> float:
+    """Expected number of other nodes holding at least one of a token's ``top_k`` experts,
+    the experts spread evenly over ``nodes`` and routing uniform: each other node is missed
+    with probability C(E - E/n, k) / C(E, k)."""
+    per_node = experts // nodes
+    missed = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+    return (nodes - 1) * (1.0 - missed)
+
+
+def flex_dispatch_seconds(profile: DeviceProfile, moe: MoESpec, *, tokens: float,
+                          token_bytes: float, group: int, span: Span) -> float:
+    """One direction of the deduplicated dispatch (Megatron's flex dispatcher with DeepEP /
+    HybridEP): a rank's token goes once to every other node holding one of its experts, and
+    its copies are spread to the experts' ranks inside the nodes over NVLink."""
+    remote = remote_nodes_per_token(moe.experts, moe.top_k, span.nodes)
+    inter = tokens * remote * token_bytes
+    k = span.ranks_per_node
+    intra = tokens * moe.top_k * token_bytes * (k - 1) / group * span.nodes
+    # One message per peer: per other rank of the node, per other node.
+    return exchange_seconds(profile, intra, inter, intra / max(1, k - 1),
+                            inter / max(1, span.nodes - 1), span)
 
 
 def head_forward_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,

@@ -21,7 +21,7 @@ from simulator.specs.dataflow import (
 )
 from simulator.specs.lengths import parse_lengths
 from simulator.specs.model import ModelSpec, load_model
-from simulator.specs.parallel import Recompute, Sharding
+from simulator.specs.parallel import Dispatcher, Recompute, Sharding
 from simulator.specs.workload import Workload
 
 RULE = "rule"
@@ -57,6 +57,8 @@ class RolePin:
     """MoE: expert parallel size."""
     etp: int | None = None
     """MoE: expert tensor parallel size."""
+    moe_dispatcher: Dispatcher | None = None
+    """MoE: token dispatcher, alltoall or flex (deduplicated per node)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

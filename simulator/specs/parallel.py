@@ -17,6 +17,11 @@ from simulator.specs.model import ModelSpec
 
 Sharding = Literal["none", "optimizer", "fsdp"]
 Recompute = Literal["none", "selective", "full"]
+Dispatcher = Literal["alltoall", "flex"]
+"""How MoE tokens reach their experts: ``alltoall`` sends every routed copy to its expert's
+rank (Megatron-core's alltoall token dispatcher); ``flex`` deduplicates, sending a token once
+to each node that holds one of its experts and forwarding it inside that node over NVLink
+(Megatron-core's flex dispatcher with DeepEP or HybridEP)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -46,6 +51,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallel size (MoE): each rank of an ep group holds experts / ep of every MoE
     layer's routed experts, and tokens go to their experts' ranks by all-to-all."""
+    moe_dispatcher: Dispatcher = "alltoall"
+    """MoE token dispatch (see ``Dispatcher``)."""
     etp: int = 1
     """Expert tensor parallel size (MoE): each expert's MLP split over etp ranks (Megatron's
     expert_tensor_parallel_size). ep * etp divides the tp * dp ranks of a pipeline stage,
@@ -66,7 +73,7 @@ class ParallelConfig:
         object.__setattr__(self, "_hash", hash((
             self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
-            self.overlap_param_gather, self.ep, self.etp)))
+            self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher)))
 
     @property
     def world_size(self) -> int:
