@@ -195,8 +195,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     generation_pipelines = studies
 
     def expert_layouts(tp: int, pp: int, sharding: str) -> list[tuple[int, int]]:
-        """(ep, etp) to try: pinned, else for an MoE model every power of two within a node
-        that divides the experts and the stage's tp * dp ranks (not with FSDP)."""
+        """(ep, etp) to try: pinned, else for an MoE model every power of two that divides the
+        experts and the stage's tp * dp ranks (within a node the exchange stays on NVLink,
+        beyond it crosses the NICs; not with FSDP)."""
         if model.moe is None:
             return [(1, 1)]
         etp = pins.get("etp", 1)
@@ -205,8 +206,21 @@ def role_configs(job: JobSpec, role: str, gpus: int,
             return [(pins["ep"], etp)] if ranks % (pins["ep"] * etp) == 0 else []
         if sharding == "fsdp":
             return [(1, etp)] if ranks % etp == 0 else []
-        return [(ep, etp) for ep in _powers_of_two(min(gpn, model.moe.experts))
+        return [(ep, etp) for ep in _powers_of_two(min(ranks, model.moe.experts))
                 if model.moe.experts % ep == 0 and ranks % (ep * etp) == 0]
+
+    def serving_eps(gen_tp: int, gen_pp: int) -> list[int]:
+        """Generation ep to try: pinned, else 1 (every replica holds every expert) and, for an
+        MoE model, vLLM's expert parallelism over the largest power of two of the GPUs that
+        the replicas tile."""
+        if "generation_ep" in pins:
+            return [pins["generation_ep"]]
+        if model.moe is None:
+            return [1]
+        widest = max((e for e in _powers_of_two(min(gpus, model.moe.experts))
+                      if e % gen_tp == 0 and model.moe.experts % e == 0
+                      and gpus % (e * gen_pp) == 0), default=1)
+        return sorted({1, widest if widest > gen_tp else 1})
 
     out: list[RolePlan] = []
     candidates = [(t, p, sh, e) for t, p, sh in layouts for e in expert_layouts(t, p, sh)]
@@ -227,14 +241,14 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 if not generates:
                     out.append(RolePlan(parallel=par, training_backend=backend))
                     continue
-                shards = gpus if sharding == "fsdp" else tp * pp
+                shards = gpus if sharding == "fsdp" else tp * pp * ep
                 gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
                     p for p in _divisors(pp if sharding != "fsdp" else 1)
                     if model.layers % p == 0 and (p == 1 or generation_pipelines)]
                 for gen_tp in _powers_of_two(min(gpn, shards)):
                     if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
                         continue
-                    if (sharding != "fsdp" or torch_only) and tp % gen_tp:
+                    if (sharding != "fsdp" or torch_only) and ep == 1 and tp % gen_tp:
                         continue
                     if pins.get("generation_tp", gen_tp) != gen_tp:
                         continue
@@ -243,8 +257,11 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                             continue
                         for seqs in seq_caps:
                             for utilization in utilizations:
-                                gen = GenerationConfig(tp=gen_tp, pp=gen_pp, max_num_seqs=seqs,
-                                                       memory_utilization=utilization)
-                                out.append(RolePlan(parallel=par, generation=gen,
-                                                    training_backend=backend))
+                                for gen_ep in serving_eps(gen_tp, gen_pp):
+                                    gen = GenerationConfig(tp=gen_tp, pp=gen_pp,
+                                                           max_num_seqs=seqs,
+                                                           memory_utilization=utilization,
+                                                           ep=gen_ep)
+                                    out.append(RolePlan(parallel=par, generation=gen,
+                                                        training_backend=backend))
     return out

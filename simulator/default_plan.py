@@ -62,7 +62,8 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
         generation = GenerationConfig(tp=pinned.get("generation_tp", min(gen_tp, tp)),
                                       pp=pinned.get("generation_pp", 1),
                                       max_num_seqs=max_num_seqs,
-                                      memory_utilization=utilization)
+                                      memory_utilization=utilization,
+                                      ep=pinned.get("generation_ep", 1))
     return RolePlan(parallel=par, generation=generation)
 
 

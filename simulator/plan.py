@@ -375,6 +375,7 @@ class Plan:
         assert self.rollout is not None
         gpus_per_node = job.cluster.pool_of(self.rollout.node_group).group.gpus_per_node
         gen.check_shape(model, gpus_per_node=gpus_per_node, key=key)
+        gen.check_experts(model, self.rollout.gpus, key=key)
         if self.rollout.gpus % gen.model_parallel_size:
             raise SpecError(f"the rollout set's {self.rollout.gpus} GPUs do not hold whole "
                             f"replicas of tp*pp={gen.model_parallel_size}", key="rollout.gpus")

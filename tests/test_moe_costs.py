@@ -146,3 +146,40 @@ def test_flex_dispatch_sends_a_token_once_per_remote_node():
     plain = dataclasses.replace(par, moe_dispatcher="alltoall")
     assert train_step(QWEN3_30B, H100, par, global_batch=64, seq_len=4096).seconds < \
         train_step(QWEN3_30B, H100, plain, global_batch=64, seq_len=4096).seconds
+
+
+def test_expert_parallel_serving_spreads_experts_over_replicas():
+    from simulator.costs.generation import generation_weight_bytes
+
+    tp4 = GenerationConfig(tp=4)
+    ep32 = GenerationConfig(tp=4, ep=32)
+    experts = QWEN3_30B.expert_params() * 2
+    assert generation_weight_bytes(QWEN3_30B, tp4, "bf16") - generation_weight_bytes(
+        QWEN3_30B, ep32, "bf16") == pytest.approx(experts / 4 - experts / 32)
+    plain, spread = (decode_step_model(QWEN3_30B, g, "bf16", 8) for g in (tp4, ep32))
+    # The replicas' tokens all reach a GPU's experts: at batch 8 per replica, 64 tokens.
+    assert spread.weight_bytes_read(8) < plain.weight_bytes_read(8)
+    assert spread.expert_batch_multiplier == 8
+    # The exchange costs time that tp alone does not pay.
+    assert spread.step_seconds(H100, "bf16", 64, 0) != plain.step_seconds(H100, "bf16", 64, 0)
+    with pytest.raises(SpecError, match="multiple of tp"):
+        GenerationConfig(tp=4, ep=6)
+    with pytest.raises(SpecError, match="does not divide the 128 experts"):
+        GenerationConfig(tp=1, ep=3).check_experts(QWEN3_30B, 3)
+    with pytest.raises(SpecError, match="dense"):
+        GenerationConfig(tp=1, ep=2).check_experts(MODEL_PRESETS["qwen2.5-7b"], 8)
+
+
+def test_a_large_moe_job_fits_only_with_experts_spread_wide():
+    from planner.planning import plan_job
+
+    job = job_from_mapping({
+        "algorithm": "grpo",
+        "models": {"actor": "qwen3-235b-a22b", "ref": "qwen3-235b-a22b", "reward": "rule"},
+        "cluster": {"nodes": 16, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 256, "samples_per_prompt": 8,
+                     "prompt_length": 1024, "response_length": 2048}})
+    result = plan_job(job, SearchOptions(space=SpaceOptions(backend="megatron")))
+    assert result.best is not None
+    actor = result.best.plan.roles["actor"]
+    assert actor.parallel.ep > 8 and actor.generation.ep > 8

@@ -16,7 +16,12 @@ from functools import lru_cache
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import GIB, MemoryBreakdown
-from simulator.costs.primitives import all_reduce_seconds, group_crosses_nodes
+from simulator.costs.primitives import (
+    all_reduce_seconds,
+    all_to_all_seconds,
+    group_crosses_nodes,
+    group_span,
+)
 from simulator.costs.transformer import head_forward_seconds, layer_cost
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
@@ -67,6 +72,15 @@ class DecodeStepModel:
     attention, router, shared experts, head)."""
     expert_touch_probability: float = 0.0
     """MoE: the chance that one token routes to a given expert (top_k / experts)."""
+    expert_batch_multiplier: float = 1.0
+    """MoE with expert-parallel serving: replicas whose tokens reach this GPU's experts
+    (ep / tp)."""
+    expert_exchange_bytes_per_token: float = 0.0
+    """MoE with expert-parallel serving: bytes a running sequence sends per MoE layer and
+    direction (its top_k copies, hidden wide, over tp ranks)."""
+    moe_layers_per_stage: float = 0.0
+    ep: int = 1
+    gpus_per_node: int = 8
 
     def weight_bytes_read(self, batch: float) -> float:
         """Weights one decode step reads: all dense weights, and of a MoE model's routed
@@ -75,7 +89,8 @@ class DecodeStepModel:
         grows from the active experts at batch 1 towards every expert at large batches."""
         if self.expert_bytes_per_gpu <= 0:
             return self.weight_bytes_per_gpu
-        touched = 1.0 - (1.0 - self.expert_touch_probability) ** max(batch, 1.0)
+        tokens = max(batch, 1.0) * self.expert_batch_multiplier
+        touched = 1.0 - (1.0 - self.expert_touch_probability) ** tokens
         return self.weight_bytes_per_gpu + touched * self.expert_bytes_per_gpu
 
     def step_seconds(self, profile: DeviceProfile, dtype: str, batch: float,
@@ -123,6 +138,12 @@ def _batch_terms(step: DecodeStepModel, profile: DeviceProfile, dtype: str, batc
         peak * profile.efficiency.matmul.at(gemm_size))
     comm = 2 * step.layers_per_stage * all_reduce_seconds(
         profile, batch * step.hidden_bytes, step.tp, step.tp_crosses_nodes)
+    if step.ep > 1:
+        # Expert-parallel serving: dispatch and combine of the running batch's routed copies
+        # in every MoE layer, over the ep group (consecutive GPUs).
+        span = group_span(step.ep, 1, step.gpus_per_node)
+        comm += 2 * step.moe_layers_per_stage * all_to_all_seconds(
+            profile, batch * step.expert_exchange_bytes_per_token, step.ep, span=span)
     # Decode kernels are microseconds long, so in eager mode each kernel's fixed launch
     # cost adds up instead of hiding behind the previous kernel as it does in training
     # (vLLM PR #1440: Llama-2-7B at batch 1 decodes in ~12 ms per step eager, ~10.5 ms
@@ -150,7 +171,8 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         per_layer_active = model.moe_layers / model.layers * model.moe.top_k \
             * model.expert_params_per_moe_layer
         weights -= layers * per_layer_active / tp * b
-        expert_bytes = layers * model.expert_params() / model.layers / tp * b
+        # Spread over the tp ranks, or with expert-parallel serving over the ep group.
+        expert_bytes = layers * model.expert_params() / model.layers / max(tp, gen.ep) * b
         touch = model.moe.top_k / model.moe.experts
     kv_heads_local = math.ceil(model.kv_heads / tp)  # KV heads are replicated when tp > kv
     kv_per_token = 2 * layers * kv_heads_local * model.head_dim_value * b
@@ -168,12 +190,21 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         tp_crosses_nodes=group_crosses_nodes(tp, 1, gpus_per_node),
         expert_bytes_per_gpu=expert_bytes,
         expert_touch_probability=touch,
+        expert_batch_multiplier=max(1.0, gen.ep / tp),
+        expert_exchange_bytes_per_token=(model.moe.top_k * model.hidden * b / tp
+                                         if model.moe is not None else 0.0),
+        moe_layers_per_stage=model.moe_layers / pp,
+        ep=gen.ep,
+        gpus_per_node=gpus_per_node,
     )
 
 
 def generation_weight_bytes(model: ModelSpec, gen: GenerationConfig, dtype: str) -> float:
-    """Per-GPU weights of the generation layout, M / (t_g * p_g)."""
-    return model.params() * DTYPE_BYTES[dtype] / (gen.tp * gen.pp)
+    """Per-GPU weights of the generation layout, M / (t_g * p_g); with expert-parallel serving
+    the routed experts are spread over ep GPUs instead."""
+    experts = model.expert_params()
+    return ((model.params() - experts) / (gen.tp * gen.pp)
+            + experts / (max(gen.tp, gen.ep) * gen.pp)) * DTYPE_BYTES[dtype]
 
 
 def workspace_bytes(model: ModelSpec, gen: GenerationConfig, dtype: str) -> float:

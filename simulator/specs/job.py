@@ -59,6 +59,9 @@ class RolePin:
     """MoE: expert tensor parallel size."""
     moe_dispatcher: Dispatcher | None = None
     """MoE: token dispatcher, alltoall or flex (deduplicated per node)."""
+    generation_ep: int | None = None
+    """Actor only, MoE: expert-parallel serving over this many GPUs (vLLM's
+    enable_expert_parallel; 1: none)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -252,7 +255,8 @@ class JobSpec:
                     raise SpecError(f"{key}={value} does not divide the {model.heads} heads "
                                     f"of {model.name}", key=f"parallel.{role}.{key}")
             if role != "actor" and (pin.generation_tp or pin.generation_pp or
-                                    pin.max_num_seqs or pin.gpu_memory_utilization):
+                                    pin.generation_ep or pin.max_num_seqs
+                                    or pin.gpu_memory_utilization):
                 raise SpecError("only the actor generates", key=f"parallel.{role}")
             _check_pin_layout(pin, model, key=f"parallel.{role}")
         for role, chosen in self.backends.items():

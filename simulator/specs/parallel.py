@@ -157,8 +157,18 @@ class GenerationConfig:
     memory_utilization: float = 0.9
     """Fraction of device memory the generation engine may fill with weights and KV cache
     (vLLM's default gpu_memory_utilization is 0.9, vllm EngineArgs)."""
+    ep: int = 1
+    """MoE: expert-parallel serving as vLLM runs it (enable_expert_parallel with
+    data_parallel_size = ep / tp): the routed experts of ``ep`` GPUs (tp ranks of ep / tp
+    replicas, which step together) are spread over them, experts / ep each, and tokens reach
+    them by all-to-all; attention stays per replica. 1: every replica holds every expert,
+    split over its tp ranks (vLLM's default)."""
 
     def __post_init__(self) -> None:
+        require(self.ep >= 1, f"must be a positive integer, got {self.ep}", "ep")
+        require(self.ep == 1 or self.ep % self.tp == 0,
+                f"ep={self.ep} must be a multiple of tp={self.tp} (vLLM spreads the experts "
+                "over tp x data-parallel ranks)", "ep")
         for key in ("tp", "pp", "max_num_seqs"):
             value = getattr(self, key)
             require(value >= 1, f"must be a positive integer, got {value}", key)
@@ -182,6 +192,7 @@ class GenerationConfig:
               key: str = "generation") -> None:
         """Raise SpecError if the generation layout does not fit the training layout."""
         self.check_shape(model, gpus_per_node=gpus_per_node, key=key)
+        self.check_experts(model, train.world_size, key=key)
         shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
         if train.ep > 1:
             # One copy of an MoE model spans tp x pp x ep ranks (the experts are spread over
@@ -197,6 +208,21 @@ class GenerationConfig:
                                                             or train.pp % self.pp):
             raise SpecError(f"generation tp={self.tp}, pp={self.pp} must divide training "
                             f"tp={train.tp}, pp={train.pp}", key=f"{key}.tp")
+
+    def check_experts(self, model: ModelSpec, gpus: int, *, key: str = "generation") -> None:
+        """Raise SpecError if ``ep`` cannot spread ``model``'s experts over ``gpus``
+        generation GPUs."""
+        if self.ep == 1:
+            return
+        if model.moe is None:
+            raise SpecError(f"{model.name} is dense: expert parallelism needs a moe: model",
+                            key=f"{key}.ep")
+        if model.moe.experts % self.ep:
+            raise SpecError(f"ep={self.ep} does not divide the {model.moe.experts} experts of "
+                            f"{model.name}", key=f"{key}.ep")
+        if gpus % (self.ep * self.pp):
+            raise SpecError(f"ep={self.ep} (x pp {self.pp}) does not divide the {gpus} "
+                            "generation GPUs", key=f"{key}.ep")
 
     def check_shape(self, model: ModelSpec, *, gpus_per_node: int,
                     key: str = "generation") -> None:
@@ -214,4 +240,4 @@ class GenerationConfig:
                             key=f"{key}.pp")
 
     def short(self) -> str:
-        return f"gen-pp{self.pp}-tp{self.tp}"
+        return f"gen-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
