@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 from executor.model import apply_rotary, rotary_tables
+from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec
 
 COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias",
@@ -35,6 +36,15 @@ def tp_shard_dim(name: str) -> int | None:
         return 0
     if name.endswith(ROW):
         return 1
+    return None
+
+
+def native_unsupported_reason(spec: ModelSpec) -> str | None:
+    """Why the native generator cannot generate with ``spec`` (None: it can)."""
+    if getattr(spec, "moe", None) is not None:
+        return (f"{spec.name} is a mixture of experts: the native generator computes dense "
+                "MLPs only (it has no router or experts), so it would not generate with the "
+                "model's weights")
     return None
 
 
@@ -78,6 +88,9 @@ class GenerationEngine:
     def __init__(self, spec: ModelSpec, tp_group: dist.ProcessGroup | None = None,
                  tp_size: int = 1, tp_rank: int = 0, *, kv_cache_budget_bytes: int | None = None,
                  finish_check_interval_steps: int | None = None):
+        reason = native_unsupported_reason(spec)
+        if reason:
+            raise SpecError(reason, key="backends.actor.generation")
         if kv_cache_budget_bytes is not None and kv_cache_budget_bytes < 0:
             raise ValueError(f"kv_cache_budget_bytes={kv_cache_budget_bytes} is negative")
         if finish_check_interval_steps is not None and finish_check_interval_steps < 1:
