@@ -220,6 +220,41 @@ def initial_tensor(name: str, shape: tuple[int, ...], layers: int, seed: int) ->
     return torch.randn(shape, generator=generator) * std
 
 
+def moe_shapes(spec: ModelSpec, dense: dict[str, tuple[int, ...]],
+               ) -> dict[str, tuple[int, ...]]:
+    """``dense`` (a dense model's tensor shapes by name) with the MLP of each MoE layer in
+    Qwen3-MoE's names: the router ``mlp.gate`` (experts x hidden), the routed experts
+    ``mlp.experts.{e}.{gate,up,down}_proj``, and the shared experts fused into one MLP as
+    DeepSeek names it (``mlp.shared_experts.*``, ungated). The torch model has no MoE layer:
+    these are the weights only the Megatron backend builds."""
+    moe = spec.moe
+    assert moe is not None
+    gated = spec.mlp == "swiglu"
+
+    def mlp(prefix: str, width: int) -> dict[str, tuple[int, ...]]:
+        out = {prefix + "gate_proj.weight": (width, spec.hidden)} if gated else {}
+        out[prefix + "up_proj.weight"] = (width, spec.hidden)
+        out[prefix + "down_proj.weight"] = (spec.hidden, width)
+        return out
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in dense.items():
+        parts = name.split(".")
+        if not (name.startswith("model.layers.") and parts[3] == "mlp"
+                and int(parts[2]) >= moe.first_dense_layers):
+            shapes[name] = shape
+            continue
+        prefix = f"model.layers.{parts[2]}.mlp."
+        if prefix + "gate.weight" in shapes:
+            continue  # this layer's MoE tensors are in already
+        shapes[prefix + "gate.weight"] = (moe.experts, spec.hidden)
+        for expert in range(moe.experts):
+            shapes.update(mlp(f"{prefix}experts.{expert}.", moe.expert_ffn_hidden))
+        if moe.shared_experts:
+            shapes.update(mlp(prefix + "shared_experts.", moe.shared_experts * moe.shared_ffn))
+    return shapes
+
+
 class InitialWeights(Mapping[str, torch.Tensor]):
     """A model's starting weights by Hugging Face name, each made when asked: the tensor of
     a local checkpoint directory (``*.safetensors``, read one tensor at a time) where it has
@@ -234,6 +269,8 @@ class InitialWeights(Mapping[str, torch.Tensor]):
         with torch.device("meta"):
             shapes = {name: tuple(t.shape) for name, t in
                       CausalLM(spec, value_head=value_head).state_dict().items()}
+        if spec.moe is not None:
+            shapes = moe_shapes(spec, shapes)
         self.shapes = shapes
         self.files: dict[str, Path] = {}
         self.stored: set[str] = set()

@@ -9,6 +9,11 @@ shards out of whole HF tensors (q/k/v fused per query group into ``linear_qkv``,
 fused per tensor-parallel shard into ``linear_fc1``), ``export_hf`` gathers them back, so a HF
 checkpoint starts a Megatron model and a Megatron-trained actor feeds any generator.
 
+Mixture-of-experts models (``ModelSpec.moe``) get Megatron's MoE layer (``moe_config``): the
+all-to-all token dispatcher, one GEMM per local expert, experts over ``par.ep`` ranks and
+each expert over ``par.etp``; every rank imports only its own experts and ``hf_state``
+gathers them back from the expert-parallel ranks.
+
 Megatron-core (0.16.1) places some tensors on ``torch.cuda.current_device()``; on a machine
 without GPUs only the tests run it, through ``tests/compat/megatron_cpu.py``.
 """
@@ -33,6 +38,7 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
 
     gated = spec.mlp == "swiglu"
     return TransformerConfig(
+        **moe_config(spec, par),
         num_layers=spec.layers, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn_hidden,
         num_attention_heads=spec.heads, num_query_groups=spec.kv_heads,
         kv_channels=spec.head_dim_value, normalization=_norm_name(spec),
@@ -51,6 +57,84 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, deallocate_pipeline_outputs=False)
+
+
+MOE_TOKEN_DISPATCHER = "alltoall"
+"""Megatron's all-to-all token dispatcher: each rank sends every token to the expert-parallel
+ranks of its top-k experts and gets the outputs back (what expert-parallel runs use; the
+all-gather one copies every token to every expert rank). It also runs on the CPU under the
+test shims (tests/compat/megatron_cpu.py: its split sizes stay host tensors there, and gloo
+needs help all-gathering uneven token counts when etp > 1). ``moe_permute_fusion`` stays off:
+the fused permutation is a Transformer Engine kernel."""
+
+MOE_AUX_LOSS_COEFF = 0.0
+"""Coefficient of the router's load-balancing (GShard) loss: off, so a role optimises and
+reports the algorithm's loss alone, and Megatron computes no auxiliary loss. Were it on, the
+loss is reduced over the tp*cp ranks, the same for every ep: measured with 0.1 on
+tiny-moe-2l, ep = 2 still gives the losses of ep = 1 (and different ones from 0)."""
+
+
+def check_moe(spec: ModelSpec, par: ParallelConfig, key: str = "") -> None:
+    """SpecError for an MoE model or layout this backend does not build (beyond
+    ``ParallelConfig.check_model``'s expert-parallel checks)."""
+    from profiles.datafile import SpecError
+
+    moe = spec.moe
+    if moe is None:
+        return
+    prefix = f"{key}." if key else ""
+    if spec.linear_bias:
+        raise SpecError(f"{spec.name}: MoE layers with biases (GPT-style linear_bias) are not "
+                        "built by the Megatron backend (Mixtral / Qwen3-MoE / DeepSeek experts "
+                        "have none)", key=f"{prefix}linear_bias")
+    if moe.shared_experts and (moe.shared_experts * moe.shared_ffn) % par.tp:
+        raise SpecError(f"tp={par.tp} does not divide the shared experts' width "
+                        f"{moe.shared_experts * moe.shared_ffn} of {spec.name}",
+                        key=f"{prefix}tp")
+    if par.tp > 1 and not par.sequence_parallel:
+        raise SpecError("an MoE model with tp > 1 trains with sequence_parallel: true "
+                        "(Megatron's MoE layer refuses to train without it: each tensor-parallel "
+                        "rank routes its part of the sequence)", key=f"{prefix}sequence_parallel")
+
+
+def moe_config(spec: ModelSpec, par: ParallelConfig) -> dict[str, Any]:
+    """TransformerConfig settings of an MoE ModelSpec (none for a dense one): Megatron's MoE
+    layer with ``top_k`` softmax routing over ``experts`` (top-k of the logits, softmax over
+    those: Mixtral's and Qwen3-MoE's normalised top-k weights), the experts' MLP
+    ``expert_ffn_hidden`` wide, shared experts fused into one MLP, experts cut over ``par.ep``
+    ranks (each expert's MLP over ``par.etp``), no token dropping (no capacity factor), each
+    local expert its own GEMMs (``SequentialMLP``: grouped GEMM needs CUDA kernels)."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    check_moe(spec, par)
+    _router_without_transformer_engine()
+    shared = moe.shared_experts * moe.shared_ffn if moe.shared_experts else None
+    return dict(
+        num_moe_experts=moe.experts, moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden,
+        moe_shared_expert_intermediate_size=shared, moe_shared_expert_overlap=False,
+        moe_layer_freq=[0 if index < moe.first_dense_layers else 1
+                        for index in range(spec.layers)],
+        expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp,
+        moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER, moe_grouped_gemm=False,
+        moe_permute_fusion=False, moe_router_fusion=False, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none" if MOE_AUX_LOSS_COEFF == 0 else "aux_loss",
+        moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF, moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None, moe_expert_capacity_factor=None,
+        moe_pad_expert_input_to_capacity=False, moe_token_dropping=False)
+
+
+def _router_without_transformer_engine() -> None:
+    """Megatron-core 0.16.1's MoE router computes its logits with Transformer Engine's GEMM
+    when ``te_general_gemm`` is not None, else with ``torch.mm``; but without Transformer Engine
+    installed that name is never defined (``moe_utils`` imports it only inside its ``try``),
+    so every MoE forward stops with NameError, on GPUs as on the CPU. Defining it as None
+    selects Megatron's own torch path, which is what the check means."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _norm_name(spec: ModelSpec) -> str:
@@ -116,17 +200,31 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         _mark_sequence_parallel(self, config)
 
 
-def layer_specs(spec: ModelSpec, config: Any, layers: int) -> Any:
-    """Megatron's local (non-Transformer-Engine) layer spec with norms that run under
-    sequence parallelism, for the layers and the block's final norm."""
+def layer_specs(spec: ModelSpec, config: Any, indices: range) -> Any:
+    """Megatron's local (non-Transformer-Engine) layer specs of the layers ``indices`` (global
+    layer numbers) with norms that run under sequence parallelism, and the block's final
+    norm; an MoE model's layers after its dense ones get Megatron's MoE layer."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     norm = SequenceParallelLayerNorm if spec.norm == "layernorm" else SequenceParallelRMSNorm
-    layer = get_gpt_layer_local_spec(normalization=_norm_name(spec))
-    layer.submodules.input_layernorm = norm
-    layer.submodules.pre_mlp_layernorm = norm
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
+
+    def layer(experts: int | None) -> Any:
+        made = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                        normalization=_norm_name(spec))
+        made.submodules.input_layernorm = norm
+        made.submodules.pre_mlp_layernorm = norm
+        return made
+
+    dense = layer(None)
+    if spec.moe is None:
+        return TransformerBlockSubmodules(layer_specs=[dense] * len(indices), layer_norm=norm)
+    # MoE: the leading ``first_dense_layers`` keep a dense MLP (Megatron's moe_layer_freq
+    # pattern, laid out here per global layer index since this rank builds only its stage).
+    sparse = layer(spec.moe.experts)
+    return TransformerBlockSubmodules(
+        layer_specs=[dense if index < spec.moe.first_dense_layers else sparse
+                     for index in indices], layer_norm=norm)
 
 
 def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank: int,
@@ -139,7 +237,7 @@ def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank
     chunk = (vp_stage or 0) * par.pp + pp_rank
     model = GPTModel(
         config, transformer_layer_spec=layer_specs(
-            spec, config, len(layer_range(spec, par, pp_rank, vp_stage))),
+            spec, config, layer_range(spec, par, pp_rank, vp_stage)),
         vocab_size=spec.vocab, max_sequence_length=spec.learned_positions or spec.max_seq_len,
         pre_process=chunk == 0, post_process=chunk == chunks - 1,
         share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
@@ -187,9 +285,21 @@ def split_qkv(spec: ModelSpec, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return torch.cat(q), torch.cat(k), torch.cat(v)
 
 
+def is_moe_layer(spec: ModelSpec, index: int) -> bool:
+    """Whether global layer ``index`` has an MoE MLP."""
+    return spec.moe is not None and index >= spec.moe.first_dense_layers
+
+
 def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: ParallelConfig,
-              *, tp_rank: int, pp_rank: int, vp_stage: int | None = None) -> None:
-    """Copy this rank's shards of whole Hugging Face tensors into a Megatron stage."""
+              *, tp_rank: int, pp_rank: int, vp_stage: int | None = None, ep_rank: int = 0,
+              etp_rank: int = 0) -> None:
+    """Copy this rank's shards of whole Hugging Face tensors into a Megatron stage. An MoE
+    layer (Qwen3-MoE's names: router ``mlp.gate``, routed experts
+    ``mlp.experts.{e}.{gate,up,down}_proj``; DeepSeek's ungated ``mlp.shared_experts.*``;
+    Mixtral's ``block_sparse_moe.*`` / ``w1,w2,w3`` are not mapped) takes the
+    experts of expert-parallel rank ``ep_rank`` (``experts / ep`` consecutive ones, Megatron's
+    ``local_experts``), each cut over the expert tensor-parallel ranks (``etp_rank``) as a dense
+    MLP is over tp; the router is whole on every rank, the shared experts cut over tp."""
     tp = par.tp
     layers = layer_range(spec, par, pp_rank, vp_stage)
 
@@ -221,6 +331,10 @@ def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: 
                 hf[p + "self_attn.v_proj.bias"][:, None], tp, tp_rank)[:, 0]
         values[m + "self_attention.linear_proj.weight"] = row(hf[p + "self_attn.o_proj.weight"])
         fc1 = ("gate_proj", "up_proj") if gated else ("up_proj",)
+        if is_moe_layer(spec, index):
+            values.update(_moe_values(spec, par, hf, p, m, fc1, tp_rank=tp_rank,
+                                      ep_rank=ep_rank, etp_rank=etp_rank))
+            continue
         values[m + "mlp.linear_fc1.weight"] = torch.cat(
             [column(hf[p + f"mlp.{n}.weight"]) for n in fc1])
         values[m + "mlp.linear_fc2.weight"] = row(hf[p + "mlp.down_proj.weight"])
@@ -250,16 +364,48 @@ def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: 
             params[name].copy_(tensor.to(params[name].dtype))
 
 
+def _moe_values(spec: ModelSpec, par: ParallelConfig, hf: Mapping[str, torch.Tensor], p: str,
+                m: str, fc1: tuple[str, ...], *, tp_rank: int, ep_rank: int,
+                etp_rank: int) -> dict[str, torch.Tensor]:
+    """One MoE layer's Megatron tensors on this rank (HF prefix ``p``, Megatron prefix ``m``)."""
+    assert spec.moe is not None
+    local = spec.moe.experts // par.ep
+    values = {m + "mlp.router.weight": hf[p + "mlp.gate.weight"]}
+    for j in range(local):
+        e = f"{p}mlp.experts.{ep_rank * local + j}."
+        values[m + f"mlp.experts.local_experts.{j}.linear_fc1.weight"] = torch.cat(
+            [hf[e + f"{n}.weight"].chunk(par.etp, dim=0)[etp_rank] for n in fc1])
+        values[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"] = \
+            hf[e + "down_proj.weight"].chunk(par.etp, dim=1)[etp_rank]
+    if spec.moe.shared_experts:
+        shared = p + "mlp.shared_experts."
+        values[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[shared + f"{n}.weight"].chunk(par.tp, dim=0)[tp_rank] for n in fc1])
+        values[m + "mlp.shared_experts.linear_fc2.weight"] = \
+            hf[shared + "down_proj.weight"].chunk(par.tp, dim=1)[tp_rank]
+    return values
+
+
+EXPERTS = ".mlp.experts."
+"""Marks the routed experts' tensors in ``export_local``'s names (held by expert-parallel
+ranks, cut over the expert tensor-parallel ones)."""
+
+
 def export_local(model: Any, spec: ModelSpec, par: ParallelConfig, *, pp_rank: int,
-                 vp_stage: int | None = None) -> dict[str, torch.Tensor]:
-    """This rank's Megatron shards under Hugging Face names of the layers it holds, with the
-    tensor-parallel dimension each was cut along (for ``gather_hf``)."""
+                 vp_stage: int | None = None, ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's Megatron shards of the layers it holds, by global layer index and, for
+    routed experts, global expert index (``layer.{i}.mlp.experts.{e}.linear_fc1.weight``),
+    for ``gather_hf``."""
     layers = layer_range(spec, par, pp_rank, vp_stage)
+    local_experts = spec.moe.experts // par.ep if spec.moe is not None else 0
     out: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         t = param.detach()
         if name.startswith("decoder.layers."):
             local, rest = name.removeprefix("decoder.layers.").split(".", 1)
+            if rest.startswith("mlp.experts.local_experts."):
+                j, tail = rest.removeprefix("mlp.experts.local_experts.").split(".", 1)
+                rest = f"mlp.experts.{ep_rank * local_experts + int(j)}.{tail}"
             out[f"layer.{layers[int(local)]}.{rest}"] = t
         else:
             out[name] = t
@@ -271,25 +417,27 @@ def _fc1_parts(spec: ModelSpec, hf: dict[str, torch.Tensor], prefix: str,
     """Whole gate / up (SwiGLU: each rank's rows are its gate shard, then its up shard) or
     up (GELU) tensors from every rank's ``linear_fc1`` shard."""
     if spec.mlp != "swiglu":
-        hf[prefix + f"mlp.up_proj.{kind}"] = torch.cat(parts)
+        hf[prefix + f"up_proj.{kind}"] = torch.cat(parts)
         return
     gates, ups = zip(*(part.chunk(2) for part in parts), strict=True)
-    hf[prefix + f"mlp.gate_proj.{kind}"] = torch.cat(gates)
-    hf[prefix + f"mlp.up_proj.{kind}"] = torch.cat(ups)
+    hf[prefix + f"gate_proj.{kind}"] = torch.cat(gates)
+    hf[prefix + f"up_proj.{kind}"] = torch.cat(ups)
 
 
 def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
               par: ParallelConfig) -> dict[str, torch.Tensor]:
     """Whole Hugging Face tensors from every (tp rank, pp stage) shard dict; ranks listed in
-    Megatron order (tp fastest), one data-parallel replica."""
-    tp = par.tp
+    Megatron order (tp fastest), one data-parallel replica. Routed experts' shards may come
+    in dicts of their own (each expert's etp shards in etp order, one expert-data-parallel
+    replica)."""
     merged: dict[str, list[torch.Tensor]] = {}
     for shards in shards_by_rank:
         for name, tensor in shards.items():
             merged.setdefault(name, []).append(tensor)
     hf: dict[str, torch.Tensor] = {}
     for name, parts in merged.items():
-        parts = parts[:tp] if len(parts) > tp else parts  # tied copies on several stages
+        cut = par.etp if EXPERTS in name else par.tp
+        parts = parts[:cut] if len(parts) > cut else parts  # tied copies on several stages
         if name == "embedding.word_embeddings.weight":
             hf["model.embed_tokens.weight"] = torch.cat(parts)
         elif name == "embedding.position_embeddings.weight":
@@ -315,7 +463,7 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
             elif rest == "mlp.linear_fc2.bias":
                 hf[p + "mlp.down_proj.bias"] = parts[0]
             elif rest == "mlp.linear_fc1.bias":
-                _fc1_parts(spec, hf, p, parts, "bias")
+                _fc1_parts(spec, hf, p + "mlp.", parts, "bias")
             elif rest == "self_attention.linear_qkv.weight":
                 q, k, v = split_qkv(spec, torch.cat(parts))
                 hf[p + "self_attn.q_proj.weight"] = q
@@ -329,39 +477,55 @@ def gather_hf(shards_by_rank: list[dict[str, torch.Tensor]], spec: ModelSpec,
             elif rest == "self_attention.linear_proj.weight":
                 hf[p + "self_attn.o_proj.weight"] = torch.cat(parts, dim=1)
             elif rest == "mlp.linear_fc1.weight":
-                _fc1_parts(spec, hf, p, parts, "weight")
+                _fc1_parts(spec, hf, p + "mlp.", parts, "weight")
             elif rest == "mlp.linear_fc2.weight":
                 hf[p + "mlp.down_proj.weight"] = torch.cat(parts, dim=1)
+            elif rest == "mlp.router.weight":
+                hf[p + "mlp.gate.weight"] = parts[0]
+            elif rest.startswith(("mlp.experts.", "mlp.shared_experts.")):
+                module, linear = rest.rsplit(".", 2)[0], rest.rsplit(".", 2)[1]
+                if linear == "linear_fc1":
+                    _fc1_parts(spec, hf, f"{p}{module}.", parts, "weight")
+                else:
+                    hf[f"{p}{module}.down_proj.weight"] = torch.cat(parts, dim=1)
     return hf
 
 
 # ----- the trainer ---------------------------------------------------------------------------
 
 
-def initialize_parallel(par: ParallelConfig, seed: int) -> None:
+def initialize_parallel(par: ParallelConfig, seed: int, *, experts: bool = False) -> None:
     """Megatron's (global) parallel state for ``par`` on the current process group, once per
-    process; a second role must ask for the same (tp, pp, vpp)."""
+    process; a second role must ask for the same (tp, pp, vpp), and a second MoE role
+    (``experts``) for the same (ep, etp) too."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(),
                 ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size() or 1)
-        if have != (par.tp, par.pp, par.vpp):
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+                ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        want = (par.tp, par.pp, par.vpp, par.ep, par.etp)
+        # A dense role runs in a process laid out for an MoE role's experts as long as tp, pp
+        # and vpp agree: its weights never use the expert groups.
+        same = have[:3] == want[:3] and (have[3:] == want[3:] or not experts)
+        if not same:
             raise RuntimeError(f"Megatron is already laid out as tp{have[0]}-pp{have[1]}-"
-                               f"vpp{have[2]} in this process; a colocated set's Megatron "
-                               f"roles must share one layout, got tp{par.tp}-pp{par.pp}-"
-                               f"vpp{par.vpp}")
+                               f"vpp{have[2]}-ep{have[3]}-etp{have[4]} in this process; a "
+                               f"colocated set's Megatron roles must share one layout, got "
+                               f"tp{par.tp}-pp{par.pp}-vpp{par.vpp}-ep{par.ep}-etp{par.etp}")
         return
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
-        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None)
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        expert_model_parallel_size=par.ep, expert_tensor_parallel_size=par.etp)
     model_parallel_cuda_manual_seed(seed)
 
 
 def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_rank: int,
-                    replicated: bool, vp_stage: int | None = None,
+                    replicated: bool, vp_stage: int | None = None, ep_rank: int = 0,
                     ) -> dict[str, torch.Tensor]:
     """This rank's tensor-parallel shards of one stage under Hugging Face names, cut as the
     native generator cuts them (``gather_hf`` of this rank alone); the tensors tensor
@@ -369,8 +533,8 @@ def local_hf_shards(module: Any, spec: ModelSpec, par: ParallelConfig, *, pp_ran
     over ranks holding different shards carries each once."""
     from executor.generation import tp_shard_dim
 
-    own = gather_hf([export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage)],
-                    spec, par)
+    own = gather_hf([export_local(module, spec, par, pp_rank=pp_rank, vp_stage=vp_stage,
+                                  ep_rank=ep_rank)], spec, par)
     return {name: t for name, t in own.items()
             if replicated or tp_shard_dim(name) is not None}
 
@@ -444,7 +608,7 @@ class MegatronTrainer:
         from executor.model import InitialWeights
         from executor.trainer import compute_dtype
 
-        initialize_parallel(par, seed)
+        initialize_parallel(par, seed, experts=spec.moe is not None)
         self.spec = spec
         self.par = par
         self.value_head = value_head
@@ -455,6 +619,8 @@ class MegatronTrainer:
         self.dtype = compute_dtype(dtype)
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank() if spec.moe is not None else 0
+        self.etp_rank = ps.get_expert_tensor_parallel_rank() if spec.moe is not None else 0
         stages = [None] if par.vpp == 1 else list(range(par.vpp))
         self.chunks = [build_gpt(spec, par, value_head=value_head, pp_rank=self.pp_rank,
                                  vp_stage=stage, dtype=self.dtype) for stage in stages]
@@ -464,7 +630,7 @@ class MegatronTrainer:
         hf = InitialWeights(spec, value_head=value_head, seed=seed, checkpoint=checkpoint)
         for stage, chunk in zip(stages, self.chunks, strict=True):
             import_hf(chunk, hf, spec, par, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
-                      vp_stage=stage)
+                      vp_stage=stage, ep_rank=self.ep_rank, etp_rank=self.etp_rank)
         self.optimizer = None
         self.defer_param_gather = False
         self.config = self.chunks[0].config
@@ -652,11 +818,21 @@ class MegatronTrainer:
         for stage, chunk in zip(stages, self.chunks, strict=True):
             module = chunk.module if hasattr(chunk, "module") else chunk
             local.update(export_local(module, self.spec, self.par, pp_rank=self.pp_rank,
-                                      vp_stage=stage))
+                                      vp_stage=stage, ep_rank=self.ep_rank))
+        experts = {name: t for name, t in local.items() if EXPERTS in name}
+        dense = {name: t for name, t in local.items() if EXPERTS not in name}
         group = ps.get_model_parallel_group()
         shards: list[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(shards, local, group=group)
+        torch.distributed.all_gather_object(shards, dense, group=group)
         # Megatron's model-parallel group lists ranks tp fastest, then pp.
+        if self.spec.moe is not None:
+            # The routed experts live on the expert-parallel ranks, which the model-parallel
+            # group does not span: gather them over the (etp, ep, pp) ranks of this expert
+            # replica, each expert's shards in etp order.
+            group = ps.get_expert_tensor_model_pipeline_parallel_group()
+            held: list[Any] = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(held, (self.etp_rank, experts), group=group)
+            shards += [part for _, part in sorted(held, key=lambda item: item[0])]
         return gather_hf(shards, self.spec, self.par)
 
     def local_hf_shards(self, replicated: bool) -> dict[str, torch.Tensor]:
@@ -667,7 +843,8 @@ class MegatronTrainer:
         for stage, chunk in zip(stages, self.chunks, strict=True):
             module = chunk.module if hasattr(chunk, "module") else chunk
             out.update(local_hf_shards(module, self.spec, self.par, pp_rank=self.pp_rank,
-                                       replicated=replicated, vp_stage=stage))
+                                       replicated=replicated, vp_stage=stage,
+                                       ep_rank=self.ep_rank))
         return out
 
     def local_parameters(self) -> dict[str, torch.Tensor]:

@@ -4,8 +4,10 @@ Megatron-core hard-codes CUDA in a few places that matter for a CPU run: tensors
 ``torch.cuda.current_device()`` or on a literal ``"cuda"`` (RoPE buffers, the global memory
 buffer, DDP's gradient buffers, pipeline messages, the schedules' token counters), CUDA events
 and streams in the schedules, the CUDA RNG tracker of tensor-parallel regions, the default
-causal mask, and ``torch.cuda.FloatTensor`` type checks in the optimizers. ``install()``
-redirects those to the CPU. It changes nothing on a machine with a GPU.
+causal mask, ``torch.cuda.FloatTensor`` type checks in the optimizers, and the host copies
+of the MoE all-to-all dispatcher's split sizes. ``install()`` redirects those to the CPU, and
+lets gloo all-gather parts of different sizes as NCCL does. It changes nothing on a machine
+with a GPU.
 """
 
 from __future__ import annotations
@@ -132,4 +134,37 @@ def install() -> None:
 
     transformer_utils.get_default_causal_mask = causal_mask
     fused_softmax.get_default_causal_mask = causal_mask
+
+    # MoE's all-to-all token dispatcher copies its split sizes to the host (as numpy arrays,
+    # which ``all_to_all_single`` takes as lists of ints) only when they are CUDA tensors; on
+    # the CPU they would reach the collective as tensors, which it refuses.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+    # With experts cut over tensor-parallel ranks (etp > 1) the dispatcher all-gathers each
+    # rank's tokens, a different number per rank. NCCL takes such uneven lists; gloo refuses
+    # them ("invalid tensor size"): pad every part to the largest, gather, copy back.
+    import torch.distributed as dist
+
+    gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or all(t.shape == tensor.shape for t in tensor_list):
+            return gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+        padded[:tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in tensor_list]
+        gather(parts, padded, group=group)
+        for target, part in zip(tensor_list, parts, strict=True):
+            target.copy_(part[:target.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
     _installed = True

@@ -4,6 +4,7 @@ model with the plan's layout and writes what it computed to a JSON file for the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -134,5 +135,69 @@ def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int
     if rank == world - 1:
         torch.save(weights, out + ".pt")
         Path(out).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def moe_training_losses(rank: int, world: int, port: int, ep: int, out: str,
+                        preset: str = "tiny-moe-2l", moe: dict | None = None, tp: int = 1,
+                        etp: int = 1, steps: int = 3) -> None:
+    """``training_losses`` for a mixture-of-experts model (``preset`` with its ``moe`` fields
+    replaced by ``moe``) with ``ep``-way expert parallelism, each expert cut over ``etp``
+    ranks, over ``world`` ranks (pp = 1;
+    tp > 1 with sequence parallelism, which Megatron's MoE layer needs): the trainer lays out
+    Megatron's parallel state itself (expert groups included). The losses, gradient norms and
+    the weights
+    exported in Hugging Face names (before and after) from the last rank; every rank's
+    (expert-parallel rank, experts it holds per layer)."""
+    from tests.compat.megatron_cpu import install
+
+    install()
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+
+    from executor.backends.megatron import MegatronTrainer
+    from executor.trainer import OptimConfig
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
+    spec = MODEL_PRESETS[preset]
+    if moe:
+        spec = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, **moe))
+    dp = world // tp
+    par = ParallelConfig(tp=tp, pp=1, dp=dp, ep=ep, etp=etp, sequence_parallel=tp > 1,
+                         overlap_grad_reduce=False, overlap_param_gather=False)
+    par.check_model(spec, gpus_per_node=8)
+    trainer = MegatronTrainer(spec, par, value_head=False, seed=0, trainable=True,
+                              optim=OptimConfig(lr=1e-3))
+    initial = trainer.hf_state()
+
+    def loss_fn(model, batch):
+        log_probs = model.token_log_probs(batch["input_ids"])
+        loss = -log_probs.mean()
+        return loss, {"loss": loss.detach()}
+
+    losses, grad_norms = [], []
+    for step in range(steps):
+        ids = torch.randint(0, spec.vocab, (8, 12),
+                            generator=torch.Generator().manual_seed(2 + step))
+        mine = ids.chunk(dp)[ps.get_data_parallel_rank()]
+        stats = trainer.step([{"input_ids": part} for part in mine.chunk(2)], loss_fn)
+        value = torch.tensor([stats["loss"]])
+        dist.all_reduce(value)
+        losses.append(float(value) / world)
+        grad_norms.append(stats["grad_norm"])
+    weights = trainer.hf_state()
+    held = [None] * world
+    last = f"layers.{spec.layers - 1}.mlp.experts.local_experts."
+    local = sum(1 for name in trainer.local_parameters()
+                if last in name and name.endswith("fc1.weight"))
+    dist.all_gather_object(held, [trainer.ep_rank, local])
+    if rank == world - 1:
+        torch.save({"initial": initial, "final": weights}, out + ".pt")
+        Path(out).write_text(json.dumps({"losses": losses, "grad_norms": grad_norms,
+                                         "experts_by_rank": held}))
     dist.barrier()
     dist.destroy_process_group()
