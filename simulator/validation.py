@@ -138,18 +138,24 @@ def _generation_rows(group: str, spec: dict) -> list[dict]:
     rows = []
     for case in spec["cases"]:
         model = MODEL_PRESETS[case["model"]]
-        gen = GenerationConfig(tp=case["tp"], max_num_seqs=case["batch"])
+        # A static batch (``batch``), or an offline run of ``requests`` queued at once that the
+        # engine batches continuously as far as its KV cache holds them.
+        sequences = case.get("requests", case.get("batch"))
+        gen = GenerationConfig(tp=case["tp"], max_num_seqs=case.get("batch", sequences))
         budget = (profile.usable_memory_bytes - generation_weight_bytes(model, gen, dtype)
-                  - workspace_bytes(model, gen, dtype))
-        cost = generate(model, profile, gen, lengths=(case["response"],) * case["batch"],
+                  - workspace_bytes(model, gen, dtype)) * spec.get("kv_cache_fraction", 1.0)
+        cost = generate(model, profile, gen, lengths=(case["response"],) * sequences,
                         prompt_len=case["prompt"], kv_budget_bytes=budget, dtype=dtype)
         if spec["metric"] == "latency_ms":
             predicted = cost.seconds * 1000
+        elif spec["metric"] == "out_tokens_per_s":
+            predicted = sequences * case["response"] / cost.seconds
         else:
-            predicted = case["batch"] * case["response"] / cost.seconds / case["tp"]
+            predicted = sequences * case["response"] / cost.seconds / case["tp"]
+        size = f"batch {case['batch']}" if "batch" in case else f"{sequences} requests"
         rows.append({
             "group": group,
-            "case": f"{case['model']} tp{case['tp']} batch {case['batch']} "
+            "case": f"{case['model']} tp{case['tp']} {size} "
                     f"{case['prompt']}/{case['response']}",
             "metric": spec["metric"], "measured": case["measured"], "predicted": predicted})
     return rows

@@ -81,6 +81,11 @@ class DecodeStepModel:
     moe_layers_per_stage: float = 0.0
     ep: int = 1
     gpus_per_node: int = 8
+    expert_flops_per_token_per_gpu: float = 0.0
+    """MoE: the part of ``matmul_flops_per_token_per_gpu`` in routed experts, which run as one
+    small GEMM per expert at the tokens routed to it."""
+    experts_per_gpu: float = 0.0
+    """MoE: routed experts whose GEMMs one GPU runs per layer."""
 
     def weight_bytes_read(self, batch: float) -> float:
         """Weights one decode step reads: all dense weights, and of a MoE model's routed
@@ -133,9 +138,19 @@ def _batch_terms(step: DecodeStepModel, profile: DeviceProfile, dtype: str, batc
     weight GEMMs, seconds of the tensor-parallel all-reduces plus kernel launches). Cached: a
     continuous-batching loop asks for the same running batch at many steps."""
     peak = profile.peak_flops(dtype)
-    gemm_size = batch * step.matmul_flops_per_token_per_gpu / max(1.0, 4 * step.layers_per_stage)
-    gemm = batch * step.matmul_flops_per_token_per_gpu / (
-        peak * profile.efficiency.matmul.at(gemm_size))
+    # A replica token's routed-expert FLOPs on this GPU's experts (the rest is dense work).
+    dense_flops = step.matmul_flops_per_token_per_gpu \
+        - step.expert_flops_per_token_per_gpu * step.expert_batch_multiplier
+    gemm_size = batch * dense_flops / max(1.0, 4 * step.layers_per_stage)
+    gemm = batch * dense_flops / (peak * profile.efficiency.matmul.at(gemm_size))
+    if step.expert_flops_per_token_per_gpu > 0:
+        # Routed experts: the batch's expert FLOPs in one GEMM pair per local expert, each as
+        # large as the tokens it receives (the same total work cut into small GEMMs).
+        expert_flops = batch * step.expert_batch_multiplier \
+            * step.expert_flops_per_token_per_gpu
+        per_expert_gemm = expert_flops / max(1.0, 2 * step.moe_layers_per_stage
+                                             * step.experts_per_gpu)
+        gemm += expert_flops / (peak * profile.efficiency.matmul.at(per_expert_gemm))
     comm = 2 * step.layers_per_stage * all_reduce_seconds(
         profile, batch * step.hidden_bytes, step.tp, step.tp_crosses_nodes)
     if step.ep > 1:
@@ -196,6 +211,14 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         moe_layers_per_stage=model.moe_layers / pp,
         ep=gen.ep,
         gpus_per_node=gpus_per_node,
+        # A token's top_k expert GEMMs (2 FLOPs per weight), on the GPUs holding the experts:
+        # split over tp, or whole experts on ep GPUs that serve ep / tp replicas' tokens.
+        expert_flops_per_token_per_gpu=(
+            2 * layers * model.moe_layers / model.layers * model.moe.top_k
+            * model.expert_params_per_moe_layer / max(tp, gen.ep)
+            if model.moe is not None else 0.0),
+        experts_per_gpu=(model.moe.experts / gen.ep if gen.ep > 1 else model.moe.experts)
+        if model.moe is not None else 0.0,
     )
 
 
