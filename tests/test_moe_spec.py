@@ -131,3 +131,19 @@ def test_hf_interleaved_dense_layers_are_refused(tmp_path: Path):
             "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4,
             "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2,
             "mlp_only_layers": [2], "vocab_size": 64}))
+
+
+@pytest.mark.parametrize(("training", "generation", "expected"), [
+    ("torch", "native", "train it with training: megatron"),
+    ("megatron", "native", "native generator computes dense MLPs only"),
+])
+def test_executor_refuses_what_it_cannot_run_for_moe_before_starting(training, generation,
+                                                                      expected):
+    pytest.importorskip("torch")
+    from executor.backends import check_available
+
+    with pytest.raises(SpecError) as info:
+        if training == "megatron":
+            pytest.importorskip("megatron.core")
+        check_available("actor", training, generation, spec=MODEL_PRESETS["tiny-moe-2l"])
+    assert expected in str(info.value) and "backends.actor" in str(info.value)

@@ -96,6 +96,12 @@ def check_available(role: str, training: str, generation: str, *, spec: object =
     if generation not in GENERATION_BACKENDS:
         raise SpecError(f"unknown generation backend {generation!r} (available: "
                         f"{', '.join(GENERATION_BACKENDS)})", key=f"backends.{role}.generation")
+    if generation == "native" and spec is not None and role == "actor":
+        from executor.generation import native_unsupported_reason
+
+        reason = native_unsupported_reason(spec)  # type: ignore[arg-type]
+        if reason:
+            raise SpecError(reason, key=f"backends.{role}.generation")
     if generation == "vllm":
         if not vllm_installed():
             raise SpecError(f"vLLM is not installed: {INSTALL_HINT}",

@@ -59,6 +59,11 @@ def unsupported_reason(spec: ModelSpec) -> str | None:
     """Why this build of vLLM cannot run ``spec`` here (None when it can)."""
     if spec.mlp != "swiglu" or spec.learned_positions:
         return f"{spec.name} is not a Llama-architecture model"
+    if spec.moe is not None:
+        # The engine is started from a Llama config.json written from the spec: it would
+        # build dense MLPs and drop the experts.
+        return (f"{spec.name} is a mixture of experts: the executor starts vLLM with a dense "
+                "Llama config and does not hand it MoE weights")
     if not torch.cuda.is_available() and spec.head_dim_value not in SUPPORTED_HEAD_DIMS_CPU:
         return (f"vLLM's CPU attention supports head sizes {SUPPORTED_HEAD_DIMS_CPU}; "
                 f"{spec.name} has {spec.head_dim_value}")
