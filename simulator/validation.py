@@ -197,8 +197,21 @@ def split_plan(job, rollout_gpus: int):
     from simulator.specs.parallel import GenerationConfig
 
     total = job.cluster.total_gpus
-    trainer_job = replace(job, cluster=job.cluster.with_total_gpus(total - rollout_gpus),
-                          generation_elsewhere=True)
+    rollout_at = RolloutSet(gpus=rollout_gpus, first_gpu=total - rollout_gpus)
+    if job.cluster.is_homogeneous:
+        trainer_job = replace(job, cluster=job.cluster.with_total_gpus(total - rollout_gpus),
+                              generation_elsewhere=True)
+    else:
+        # Trainer and rollout GPUs share nodes (e.g. 6 + 2 of each 8-GPU node): the job
+        # gives them as two node groups, the trainer's first, and the rollout set is the
+        # whole second group.
+        if len(job.cluster.node_groups) != 2 or \
+                job.cluster.node_groups[1].nodes * job.cluster.node_groups[1].gpus_per_node \
+                != rollout_gpus:
+            raise SpecError("a split case on node groups gives two: the trainer's, then the "
+                            f"rollout's {rollout_gpus} GPUs", key="cluster.node_groups")
+        trainer_job = replace(job, generation_elsewhere=True)
+        rollout_at = RolloutSet(gpus=rollout_gpus, first_gpu=0, node_group=1)
     trainer = colocate_plan(trainer_job)
     pin = job.parallel.get("actor")
     seqs, utilization = job.rollout_defaults()
@@ -211,7 +224,7 @@ def split_plan(job, rollout_gpus: int):
     return Plan(algorithm=job.algorithm, sets=trainer.sets, roles=roles, strategy=mode,
                 mode=mode, max_staleness=staleness,
                 partial_rollout=job.partial_rollout and mode == "async",
-                rollout=RolloutSet(gpus=rollout_gpus, first_gpu=total - rollout_gpus))
+                rollout=rollout_at)
 
 
 def winners(rows: list[dict]) -> list[str]:
