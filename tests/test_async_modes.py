@@ -211,3 +211,18 @@ def test_each_mode_runs_the_old_log_prob_pass_its_framework_runs(framework, mode
             estimate_plan(job, plan)  # the auto job's own passes are the synchronous ones
         assert simulate(job, plan).iteration_seconds == pytest.approx(
             steady_step_seconds(planned, estimate), rel=1e-6)
+
+
+def test_validate_compares_every_verl_mode_and_names_the_winner_per_scale():
+    from simulator.validation import run_validation
+
+    frame, groups = run_validation()
+    group = next(g for g in groups if g.group == "verl_async_modes_h20")
+    rows = frame[frame["group"] == "verl_async_modes_h20"]
+    assert set(rows["mode"]) == {"sync", "one_step_off", "async"}
+    # One line per scale, with the measured and the predicted faster mode.
+    assert [w.split(":")[0] for w in group.winners] == ["16 GPUs", "32 GPUs", "64 GPUs",
+                                                        "128 GPUs"]
+    assert "measured one_step_off" in group.winners[0]
+    one_step = rows[rows["mode"] == "one_step_off"].iloc[0]
+    assert one_step["predicted"] > 0 and one_step["measured"] == 520
