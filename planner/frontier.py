@@ -140,7 +140,8 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
             # micro-batch or recompute mode.
             par = plan.parallel
             scheme = transition_scheme_of(job, plan)
-            key = (par.tp, par.pp, par.dp, par.sharding, plan.generation, scheme)
+            key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, plan.generation,
+                   scheme)
             if key not in switches:
                 switches[key] = transition(model, profile, par, plan.generation, dtype=dtype,
                                            gpus_per_node=gpn, scheme=scheme).seconds
@@ -173,8 +174,8 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
         par = plan.parallel
         # A forward pass reads the layout's shape, sharding and sequence parallelism, not
         # the training micro-batch or recompute mode: those layouts share it.
-        key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel) \
-            if node.operation == "infer" else None
+        key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel,
+               par.ep, par.etp, par.moe_dispatcher) if node.operation == "infer" else None
         cost = forwards.get(key) if key is not None else None
         if cost is None:
             estimate = model_node(job, node, plan, location=0, resident=resident,

@@ -214,7 +214,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         MoE model, vLLM's expert parallelism over the largest power of two of the GPUs that
         the replicas tile."""
         if "generation_ep" in pins:
-            return [pins["generation_ep"]]
+            pinned = pins["generation_ep"]
+            fits = pinned == 1 or (pinned % gen_tp == 0 and gpus % (pinned * gen_pp) == 0)
+            return [pinned] if fits else []
         if model.moe is None:
             return [1]
         widest = max((e for e in _powers_of_two(min(gpus, model.moe.experts))
@@ -241,7 +243,8 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 if not generates:
                     out.append(RolePlan(parallel=par, training_backend=backend))
                     continue
-                shards = gpus if sharding == "fsdp" else tp * pp * ep
+                # One copy of an MoE model spans its tp group, or its wider ep x etp group.
+                shards = gpus if sharding == "fsdp" else max(tp, ep * etp) * pp
                 gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
                     p for p in _divisors(pp if sharding != "fsdp" else 1)
                     if model.layers % p == 0 and (p == 1 or generation_pipelines)]

@@ -47,7 +47,8 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
     dp = max(1, gpus // (tp * pp))
     par = ParallelConfig(
         ep=pinned.get("ep", 1 if pinned.get("sharding") == "fsdp" else
-                      default_ep(job.model(role), tp * dp, job.cluster.gpus_per_node)),
+                      default_ep(job.model(role), tp * dp // pinned.get("etp", 1),
+                                 job.cluster.gpus_per_node)),
         etp=pinned.get("etp", 1), moe_dispatcher=pinned.get("moe_dispatcher", "alltoall"),
         overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
         tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), vpp=pinned.get("vpp", 1),

@@ -19,6 +19,7 @@ from planner.export.openrlhf import openrlhf_files, openrlhf_layout, parse_openr
 from planner.export.verl import parse_verl_files, verl_files, verl_layout
 from planner.planning import plan_job
 from planner.search import SearchOptions
+from planner.space import SpaceOptions
 from profiles.datafile import SpecError
 from simulator.plan import ColocatedSet, Plan
 from simulator.specs.job import JobSpec, job_from_mapping
@@ -69,6 +70,14 @@ def planned(name: str):
                             workload={"samples_per_prompt": 4},
                             parallel={"actor": {"tp": 1, "sharding": "fsdp"},
                                       "ref": {"tp": 1, "sharding": "fsdp"}}))
+    if name == "grpo-moe":  # an MoE actor with expert parallelism in training and serving
+        return plan_job(job("grpo", models={"actor": "tiny-moe-2l", "ref": "tiny-moe-2l",
+                                            "reward": "rule"},
+                            reward_function={"path": str(SUMS)},
+                            workload={"samples_per_prompt": 4},
+                            parallel={"actor": {"ep": 2, "generation_ep": 4},
+                                      "ref": {"ep": 4}}),
+                        SearchOptions(space=SpaceOptions(backend="megatron")))
     raise KeyError(name)
 
 
@@ -333,3 +342,17 @@ def test_export_files_names_an_unknown_target() -> None:
     plan = strategy("ppo", "colocate")
     with pytest.raises(SpecError, match="unknown target"):
         export_files(plan, job_of(plan), "nemo")
+
+
+def test_verl_export_carries_expert_parallelism_and_openrlhf_refuses_moe() -> None:
+    plan = strategy("grpo-moe", "searched")
+    assert plan.roles["actor"].parallel.ep == 2 and plan.roles["ref"].parallel.ep == 4
+    lines = verl_files(plan, job_of(plan))["verl_overrides.txt"].splitlines()
+    assert "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2" in lines
+    assert "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1" in lines
+    assert "actor_rollout_ref.ref.megatron.expert_model_parallel_size=4" in lines
+    assert "actor_rollout_ref.rollout.expert_parallel_size=4" in lines
+    assert verl_round_trip(plan) == plan_layout(plan)
+    with pytest.raises(SpecError, match="no expert parallelism") as info:
+        openrlhf_files(plan, job_of(plan))
+    assert info.value.key == "models.actor"

@@ -28,7 +28,8 @@ from tests.dataset_fixtures import make_tokenizer
 from tests.test_export import job_of, strategy
 
 VERL_CASES = [("ppo", "colocate"), ("ppo-verl-pools", "searched"),
-              ("ppo-one-step-off", "searched"), ("grpo-async", "searched")]
+              ("ppo-one-step-off", "searched"), ("grpo-async", "searched"),
+              ("grpo-moe", "searched")]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,10 @@ class Layout:
     """sync, one_step_off or async."""
     max_staleness: int
     partial_rollout: bool
+    experts: tuple[tuple[str, tuple[int, int]], ...] = ()
+    """MoE: (role, (ep, etp)) of the roles with expert parallelism, sorted by role."""
+    generation_ep: int = 1
+    """MoE: the actor's expert-parallel serving size."""
 
 
 def plan_layout(plan: Plan) -> Layout:
@@ -53,7 +57,11 @@ def plan_layout(plan: Plan) -> Layout:
         generation=(gen.tp, gen.pp),
         rollout_gpus=plan.rollout.gpus if plan.rollout is not None else 0,
         mode=plan.mode, max_staleness=plan.max_staleness,
-        partial_rollout=plan.partial_rollout)
+        partial_rollout=plan.partial_rollout,
+        experts=tuple(sorted((role, (rp.parallel.ep, rp.parallel.etp))
+                             for role, rp in plan.roles.items()
+                             if (rp.parallel.ep, rp.parallel.etp) != (1, 1))),
+        generation_ep=gen.ep)
 
 
 def nodes_of(gpus: int, gpus_per_node: int) -> tuple[int, int]:

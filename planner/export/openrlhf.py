@@ -95,6 +95,10 @@ def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
         raise SpecError(f"OpenRLHF 0.11 has no {job.algorithm} trainer (estimators: gae and "
                         "group baselines; no ReMax greedy baseline, no cost model)",
                         key="algorithm")
+    moe = [role for role in job.gpu_roles if job.model(role).moe is not None]
+    if moe:
+        raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no expert parallelism: {moe[0]} is a "
+                        "mixture of experts; export the plan to verl", key=f"models.{moe[0]}")
     flags = _placement_flags(plan, job)
     if any(s.node_group for s in plan.located_sets()):
         raise SpecError("OpenRLHF 0.11 sizes every group in nodes of one kind; the plan uses "

@@ -89,10 +89,13 @@ def _check_placement(plan: Plan, job: JobSpec) -> None:
                         "uses several node groups", key="sets")
 
 
-def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key: str
-                 ) -> list[str]:
+def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key: str,
+                 moe: bool = False) -> list[str]:
     par = rp.parallel
     key = f"roles.{role}.parallel"
+    if moe and engine == "fsdp" and (par.ep > 1 or par.etp > 1):
+        raise SpecError(f"verl 0.9's FSDP engine has no expert parallelism ({role}: "
+                        f"{par.short()}); train it with Megatron", key=f"{key}.ep")
     if engine == "fsdp":
         if par.tp > 1 or par.pp > 1:
             raise SpecError(f"verl 0.9's FSDP engine has no tensor or pipeline parallelism "
@@ -110,7 +113,9 @@ def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key:
         f"{par.vpp if par.vpp > 1 else 'null'}",
         f"{prefix}.megatron.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",
         f"{prefix}.megatron.use_distributed_optimizer={_bool(par.sharding == 'optimizer')}",
-    ]
+    ] + ([f"{prefix}.megatron.expert_model_parallel_size={par.ep}",
+          # Megatron's default for an unset expert tensor size is the tp size: always say it.
+          f"{prefix}.megatron.expert_tensor_parallel_size={par.etp}"] if moe else [])
 
 
 def _bool(value: bool) -> str:
@@ -163,7 +168,8 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.parallel.micro_batch_size}",
         f"actor_rollout_ref.actor.ppo_epochs={work.ppo_epochs}",
     ]
-    out += _role_layout("actor", actor, engine, "actor_rollout_ref.actor", fsdp_key="fsdp_config")
+    out += _role_layout("actor", actor, engine, "actor_rollout_ref.actor", fsdp_key="fsdp_config",
+                        moe=job.model("actor").moe is not None)
     # The reference pass is what makes verl build a reference worker: a KL loss (GRPO) or a
     # KL penalty in the reward (PPO, ReMax).
     if "ref" in plan.roles:
@@ -172,12 +178,16 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         ref = plan.roles["ref"]
         out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
                    f"{ref.parallel.micro_batch_size}")
-        out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config")
+        out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
+                            moe=job.model("ref").moe is not None)
     out += [
         "actor_rollout_ref.rollout.name=vllm",
         f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen.tp}",
         f"actor_rollout_ref.rollout.pipeline_model_parallel_size={gen.pp}",
+        *([f"actor_rollout_ref.rollout.expert_parallel_size={gen.ep}",
+           f"actor_rollout_ref.rollout.data_parallel_size={gen.ep // gen.tp}"]
+          if gen.ep > 1 else []),
         f"actor_rollout_ref.rollout.gpu_memory_utilization={gen.memory_utilization:g}",
         f"actor_rollout_ref.rollout.max_num_seqs={gen.max_num_seqs}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
@@ -187,7 +197,8 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         critic = plan.roles["critic"]
         out += [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
                 f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
-        out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp")
+        out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp",
+                            moe=job.model("critic").moe is not None)
     out += _reward(plan, job, gpn)
     if plan.rollout is not None:
         r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)
@@ -291,6 +302,13 @@ def verl_layout(overrides_text: str, script_text: str, roles: tuple[str, ...]) -
             tp = pp = 1
         return tp, pp, gpus // (tp * pp)
 
+    experts = {}
+    for role, prefix in (("actor", "actor_rollout_ref.actor"), ("ref", "actor_rollout_ref.ref"),
+                         ("critic", "critic")):
+        ep = int(v.get(f"{prefix}.megatron.expert_model_parallel_size", 1))
+        etp = int(v.get(f"{prefix}.megatron.expert_tensor_parallel_size", 1))
+        if role in roles and (ep, etp) != (1, 1):
+            experts[role] = (ep, etp)
     parallel = {"actor": sizes("actor", "actor_rollout_ref.actor", "fsdp_config", pool)}
     if "ref" in roles:
         parallel["ref"] = sizes("ref", "actor_rollout_ref.ref", "fsdp_config", pool)
@@ -311,4 +329,6 @@ def verl_layout(overrides_text: str, script_text: str, roles: tuple[str, ...]) -
         generation=(int(v["actor_rollout_ref.rollout.tensor_model_parallel_size"]),
                     int(v["actor_rollout_ref.rollout.pipeline_model_parallel_size"])),
         rollout_gpus=rollout, mode=mode, max_staleness=staleness,
-        partial_rollout=v.get("async_training.partial_rollout") == "true")
+        partial_rollout=v.get("async_training.partial_rollout") == "true",
+        experts=tuple(sorted(experts.items())),
+        generation_ep=int(v.get("actor_rollout_ref.rollout.expert_parallel_size", 1)))

@@ -234,7 +234,13 @@ def workspace_bytes(model: ModelSpec, gen: GenerationConfig, dtype: str) -> floa
     """Per-GPU activation workspace of the engine: one prefill chunk's hidden states and MLP
     intermediates, plus fp32 logits for a full running batch."""
     b = DTYPE_BYTES[dtype]
-    return (PREFILL_CHUNK_TOKENS * (4 * model.hidden + 3 * model.ffn_hidden / gen.tp) * b
+    # The MLP intermediates a token produces: the dense MLP's, or its top_k experts' and the
+    # shared experts' (whichever layers are wider).
+    width = model.ffn_hidden if model.moe is None else max(
+        model.ffn_hidden if model.moe.first_dense_layers else 0,
+        model.moe.top_k * model.moe.expert_ffn_hidden
+        + model.moe.shared_experts * model.moe.shared_ffn)
+    return (PREFILL_CHUNK_TOKENS * (4 * model.hidden + 3 * width / gen.tp) * b
             + gen.max_num_seqs * model.vocab / gen.tp * 4)
 
 
@@ -250,7 +256,8 @@ def prefill_seconds(model: ModelSpec, profile: DeviceProfile, gen: GenerationCon
     layer = layer_cost(model, profile, micro_batch=batch, seq_len=prompt_len, tp=gen.tp,
                        sequence_parallel=False, dtype=dtype, attention="flash",
                        recompute="none",
-                       tp_crosses_nodes=group_crosses_nodes(gen.tp, 1, gpus_per_node))
+                       tp_crosses_nodes=group_crosses_nodes(gen.tp, 1, gpus_per_node),
+                       ep=gen.ep, ep_span=group_span(gen.ep, 1, gpus_per_node))
     # The fitted prefill correction scales kernels only, not the TP collectives.
     compute_scale = profile.correction("prefill_compute")
     stage = model.layers / gen.pp * (layer.forward_seconds * compute_scale

@@ -26,6 +26,7 @@ from simulator.costs.transformer import (
     embedding_seconds,
     head_forward_seconds,
     layer_cost,
+    stage_expert_param_count,
     stage_param_count,
     vocab_parallel_seconds,
 )
@@ -100,10 +101,23 @@ def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
                               etp=par.etp)
     if not trainable:
         return MemoryBreakdown(params=local * b)
-    optimizer_shards = par.dp if par.sharding == "optimizer" else 1
     return MemoryBreakdown(params=local * b, grads=local * grad_bytes,
-                           optimizer=local * optimizer_state_bytes_per_param(dtype)
-                           / optimizer_shards)
+                           optimizer=optimizer_sharded_params(model, par, value_head=value_head)
+                           * optimizer_state_bytes_per_param(dtype))
+
+
+def optimizer_sharded_params(model: ModelSpec, par: ParallelConfig, *,
+                             value_head: bool) -> float:
+    """Parameters whose optimizer states one GPU keeps (Megatron layouts): with the
+    distributed optimizer the dense part is split over the dp replicas and the routed experts
+    over their own replicas, expert_dp = tp * dp / (ep * etp) (Megatron's expert data-parallel
+    group); without it, all of the GPU's parameters."""
+    local = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head, ep=par.ep,
+                              etp=par.etp)
+    if par.sharding != "optimizer":
+        return local
+    experts = stage_expert_param_count(model, pp=par.pp, ep=par.ep, etp=par.etp)
+    return (local - experts) / par.dp + experts / par.expert_dp
 
 
 def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
@@ -233,17 +247,25 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
                                      ep=par.ep, etp=par.etp)
     dp_comm = 0.0
-    if par.dp > 1 and par.sharding != "fsdp":
-        dp_span = data_parallel_span(par, gpus_per_node)
-        reduced_bytes = local_params * grad_bytes
-        if par.sharding == "optimizer":
-            dp_comm = (reduce_scatter_seconds(profile, reduced_bytes, par.dp, span=dp_span,
+    if par.sharding != "fsdp":
+        # Dense parameters reduce over the dp replicas, routed experts over theirs
+        # (expert_dp ranks spaced ep * etp apart).
+        expert_params = stage_expert_param_count(model, pp=par.pp, ep=par.ep, etp=par.etp)
+        groups = ((local_params - expert_params, par.dp, data_parallel_span(par, gpus_per_node)),
+                  (expert_params, par.expert_dp,
+                   group_span(par.expert_dp, par.ep * par.etp, gpus_per_node,
+                              busy_ranks_per_node=par.tp * par.dp * par.pp)))
+        for params, group, span in groups:
+            if group <= 1 or params <= 0:
+                continue
+            if par.sharding == "optimizer":
+                dp_comm += (reduce_scatter_seconds(profile, params * grad_bytes, group,
+                                                   span=span, correction=TRAIN)
+                            + all_gather_seconds(profile, params * b, group, span=span,
+                                                 correction=TRAIN))
+            else:
+                dp_comm += all_reduce_seconds(profile, params * grad_bytes, group, span=span,
                                               correction=TRAIN)
-                       + all_gather_seconds(profile, local_params * b, par.dp, span=dp_span,
-                                            correction=TRAIN))
-        else:
-            dp_comm = all_reduce_seconds(profile, reduced_bytes, par.dp, span=dp_span,
-                                         correction=TRAIN)
         if par.overlap_grad_reduce and profile.kind == "gpu":
             window = layers_per_stage * (backward + recompute_extra)
             dp_comm = max(0.0, dp_comm - window)
@@ -252,7 +274,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         dp_comm += all_reduce_seconds(profile, model.vocab * model.hidden / par.tp
                                       * grad_bytes, 2, par.world_size > gpus_per_node)
 
-    optimizer_params = local_params / (par.dp if par.sharding in ("optimizer", "fsdp") else 1)
+    optimizer_params = optimizer_sharded_params(model, par, value_head=value_head)
     if par.sharding == "fsdp":
         optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
     optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,

@@ -184,6 +184,10 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
             + (q + 2 * kv) * b / tp                  # Q, K, V
             + 2 * h * b / sp_div                     # norm-2 input and MLP input
             + (3 if swiglu else 2) * activation_width * b  # MLP: up (+ gate), activation out
+            # MoE: the dispatched copies of each token (its experts' inputs) on the layers
+            # that route, at the busiest expert's share.
+            + (model.moe_layers / model.layers * model.moe.top_k * h * b / tp
+               * profile.correction(MOE_IMBALANCE_CORRECTION) if model.moe else 0.0)
             + (2 * h / sp_div if model.dropout else 0)  # two dropout masks (1 byte)
         )
         if attention == "flash":
@@ -320,6 +324,12 @@ def embedding_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float
                       dtype: str) -> float:
     """Embedding lookup: write one hidden vector per token."""
     return memory_seconds(profile, 2 * tokens * model.hidden * DTYPE_BYTES[dtype])
+
+
+def stage_expert_param_count(model: ModelSpec, *, pp: int, ep: int = 1, etp: int = 1) -> float:
+    """Routed-expert parameters on one GPU of a pipeline stage (part of
+    ``stage_param_count``): the stage's layers' experts split over the ep x etp ranks."""
+    return model.expert_params() / pp / (ep * etp)
 
 
 def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, ep: int = 1,

@@ -39,19 +39,31 @@ class TransitionCost:
     """GPUs in each all-gather group."""
 
 
-def weight_tensors(model: ModelSpec, *, replicated: bool = True) -> dict[int, int]:
+def weight_tensors(model: ModelSpec, *, replicated: bool = True,
+                   part: str = "all") -> dict[int, int]:
     """The model's weight tensors by size: {elements: how many tensors}; without
     ``replicated`` only those tensor parallelism splits (norm weights are whole on every
-    tensor-parallel rank)."""
+    tensor-parallel rank). ``part``: ``all``, ``experts`` (an MoE model's routed experts, which
+    expert parallelism lays out) or ``dense`` (everything else)."""
     sizes: dict[int, int] = {}
 
     def add(elements: int, count: int) -> None:
-        sizes[elements] = sizes.get(elements, 0) + count
+        if count > 0:
+            sizes[elements] = sizes.get(elements, 0) + count
 
     h, q, kv, ffn = model.hidden, model.q_size, model.kv_size, model.ffn_hidden
+    mats = 3 if model.mlp == "swiglu" else 2
+    moe = model.moe
+    if moe is not None and part in ("all", "experts"):
+        add(h * moe.expert_ffn_hidden, mats * moe.experts * model.moe_layers)
+    if part == "experts":
+        return sizes
     add(h * q, 2 * model.layers)          # q and o projections
     add(h * kv, 2 * model.layers)         # k and v projections
-    add(h * ffn, (3 if model.mlp == "swiglu" else 2) * model.layers)
+    add(h * ffn, mats * (model.layers - model.moe_layers))  # dense MLPs
+    if moe is not None:
+        add(h * moe.experts, model.moe_layers)  # routers
+        add(h * moe.shared_ffn, mats * moe.shared_experts * model.moe_layers)
     if replicated:
         add(h, 2 * model.layers + 1)      # norms
     add(model.embedding_params, 1)
@@ -98,13 +110,22 @@ def micro_dp_span(train: ParallelConfig, gen: GenerationConfig, gpus_per_node: i
 def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
                gen: GenerationConfig, *, scheme: Scheme = "micro_dp", dtype: str = "bf16",
                gpus_per_node: int = 8) -> TransitionCost:
-    """Cost of one train -> generate transition of the actor under ``scheme``."""
+    """Cost of one train -> generate transition of the actor under ``scheme``. An MoE model's
+    routed experts are gathered on their own: sharded over ep x etp (x pp) in training and over
+    max(tp, ep) (x pp) in generation."""
     weights = model.params() * DTYPE_BYTES[dtype]
+    expert_weights = model.expert_params() * DTYPE_BYTES[dtype]
+    dense_weights = weights - expert_weights
     world = train.world_size
     train_shards = train.world_size if train.sharding == "fsdp" else train.model_parallel_size
     gen_shards = gen.model_parallel_size
-    volume = transition_volume_bytes(scheme, weights, train_shards=train_shards,
+    volume = transition_volume_bytes(scheme, dense_weights, train_shards=train_shards,
                                      gen_shards=gen_shards, world=world)
+    expert_train = world if train.sharding == "fsdp" else train.ep * train.etp * train.pp
+    expert_gen = max(gen.tp, gen.ep) * gen.pp
+    expert_volume = max(0.0, transition_volume_bytes(
+        scheme, expert_weights, train_shards=expert_train, gen_shards=expert_gen, world=world))
+    volume = max(0.0, volume) + expert_volume
     if scheme == "all_gpus":
         group = world
         span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=world)
@@ -121,20 +142,32 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         span = micro_dp_span(train, gen, gpus_per_node)
         peak = weights / gen_shards
         redundant = 0.0
-    if volume <= 0 or group <= 1:
-        seconds = 0.0
-    else:
+    seconds = 0.0
+    dense_volume = volume - expert_volume
+    if dense_volume > 0 and group > 1:
         # One all-gather per weight tensor (engines gather tensor by tensor), each moving its
         # share of the volume: gathering V over a group of n outputs V / ((n-1)/n) bytes.
-        fraction = volume / weights
+        fraction = dense_volume / dense_weights
         # Tensors tensor parallelism leaves whole (norms) are already complete on every rank
         # unless FSDP or merged pipeline stages split them too.
         pipeline_merged = train.pp != (gen.pp if scheme == "micro_dp" else 1)
         whole_everywhere = train.sharding != "fsdp" and not pipeline_merged
-        tensors = weight_tensors(model, replicated=not whole_everywhere)
+        tensors = weight_tensors(model, replicated=not whole_everywhere,
+                                 part="dense" if model.moe is not None else "all")
         seconds = sum(count * all_gather_seconds(
             profile, elements * DTYPE_BYTES[dtype] * fraction * group / (group - 1), group,
             span=span) for elements, count in tensors.items())
+    if expert_volume > 0:
+        # The experts gather over the ranks that split them in training (each expert
+        # whole on one of ep ranks, or cut over etp), consecutive in Megatron's order.
+        expert_group = {"all_gpus": world, "train_group": expert_train}.get(
+            scheme, max(2, expert_train // expert_gen))
+        expert_span = group_span(expert_group, 1, gpus_per_node, busy_ranks_per_node=world)
+        fraction = expert_volume / expert_weights
+        seconds += sum(count * all_gather_seconds(
+            profile, elements * DTYPE_BYTES[dtype] * fraction * expert_group
+            / (expert_group - 1), expert_group, span=expert_span)
+            for elements, count in weight_tensors(model, part="experts").items())
     return TransitionCost(scheme=scheme, seconds=seconds, bytes_received_per_gpu=volume,
                           peak_param_bytes_per_gpu=peak, redundant_bytes_per_gpu=redundant,
                           group_size=group)

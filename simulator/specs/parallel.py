@@ -113,6 +113,10 @@ class ParallelConfig:
                 raise SpecError(f"ep*etp={self.ep * self.etp} does not divide the tp*dp="
                                 f"{self.tp * self.dp} ranks of a pipeline stage (Megatron forms "
                                 "the expert groups from them)", key=f"{prefix}ep")
+            if self.tp > 1 and not self.sequence_parallel:
+                raise SpecError("Megatron trains MoE layers with tp > 1 only with sequence "
+                                "parallelism: set sequence_parallel: true or tp: 1",
+                                key=f"{prefix}sequence_parallel")
             if self.sharding == "fsdp" and self.ep > 1:
                 raise SpecError("expert parallelism runs with Megatron's layouts (sharding none "
                                 "or optimizer), not FSDP", key=f"{prefix}ep")
@@ -194,10 +198,11 @@ class GenerationConfig:
         self.check_shape(model, gpus_per_node=gpus_per_node, key=key)
         self.check_experts(model, train.world_size, key=key)
         shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
-        if train.ep > 1:
-            # One copy of an MoE model spans tp x pp x ep ranks (the experts are spread over
-            # the ep group): the generation shard gathers its experts from that group.
-            shards *= train.ep
+        if train.ep * train.etp > train.tp and train.sharding != "fsdp":
+            # One copy of an MoE model spans its ep x etp group when that is wider than tp
+            # (the experts are spread over it): the generation shard gathers its experts
+            # from that group.
+            shards = train.ep * train.etp * train.pp
         if shards % self.model_parallel_size:
             raise SpecError(
                 f"generation tp*pp={self.model_parallel_size} must divide the training "
