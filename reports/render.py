@@ -281,14 +281,18 @@ def _roles_table(best: Evaluated) -> pd.DataFrame:
     for role, rp in best.plan.roles.items():
         par = rp.parallel
         generation = ""
+        serving_ep = (f", ep {rp.generation.ep}" if rp.generation is not None
+                      and rp.generation.ep > 1 else "")
         if rp.generation is not None and best.plan.rollout is not None:
-            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp} on the rollout set "
-                          f"({best.plan.generation_replicas()} replicas)")
+            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp}{serving_ep} on the "
+                          f"rollout set ({best.plan.generation_replicas()} replicas)")
         elif rp.generation is not None:
-            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp}, "
+            generation = (f"tp {rp.generation.tp}, pp {rp.generation.pp}{serving_ep}, "
                           f"micro-DP {rp.generation.micro_dp(par)}")
-        rows.append({"role": role, "pp": par.pp, "tp": par.tp, "dp": par.dp,
-                     "sharding": par.sharding, "micro_batch": par.micro_batch_size,
+        row = {"role": role, "pp": par.pp, "tp": par.tp, "dp": par.dp}
+        if any(p.parallel.ep > 1 or p.parallel.etp > 1 for p in best.plan.roles.values()):
+            row.update({"ep": par.ep, "etp": par.etp})  # MoE plans: the expert layout
+        rows.append({**row, "sharding": par.sharding, "micro_batch": par.micro_batch_size,
                      "recompute": par.recompute, "generation": generation})
     return pd.DataFrame(rows)
 
