@@ -269,24 +269,32 @@ def predict(run: Run, profile: DeviceProfile, *, skip: int = 1,
     place of the framework profile's when given."""
     rows = []
     backends = _backends(run)
+    off_policy = run.plan.mode != "sync"
+    generates = set(generate_names(run.job)) if off_policy else set()
+    predictions: dict[int, dict[str, float]] = {}
+
+    def predicted_at(iteration: int) -> dict[str, float]:
+        if iteration not in predictions:
+            predictions[iteration] = predicted_stages(run, iteration, profile,
+                                                      fixed_costs=fixed_costs)
+        return predictions[iteration]
+
     for iteration in sorted(run.length_counts):
         if iteration < skip:
             continue
-        predicted = predicted_stages(run, iteration, profile, fixed_costs=fixed_costs)
-        ahead = None
-        if run.plan.mode != "sync" and iteration + 1 in run.length_counts:
-            # Off-policy, the generation measured in iteration i is of batch i + 1 (made
-            # while batch i trains): predict it with that batch's lengths.
-            ahead = predicted_stages(run, iteration + 1, profile, fixed_costs=fixed_costs)
+        predicted = predicted_at(iteration)
+        # Off-policy, the generation measured in iteration i is of batch i + 1 (made while
+        # batch i trains): it is predicted with that batch's lengths.
+        ahead = predicted_at(iteration + 1) if off_policy and \
+            iteration + 1 in run.length_counts else predicted
         for node, measured in _measured_stages(run, iteration).items():
             if node not in predicted or measured <= 0:
                 continue  # nothing ran (a transition with nothing to gather)
-            if ahead is not None and node in generate_names(run.job):
-                predicted[node] = ahead[node]
+            seconds = ahead[node] if node in generates else predicted[node]
             rows.append({"run": str(run.path), "placement": run.plan.placement,
                          "iteration": iteration, "node": node, "measured_seconds": measured,
-                         "predicted_seconds": predicted[node],
-                         "error_pct": 100.0 * (predicted[node] - measured) / measured,
+                         "predicted_seconds": seconds,
+                         "error_pct": 100.0 * (seconds - measured) / measured,
                          "backend": backends.get(node, "")})
     return rows
 

@@ -254,14 +254,14 @@ def moe_mlp_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp:
     a2a = 0.0
     group = ep * etp
     if group > 1:
-        # Each rank sends its tokens' top_k copies (hidden wide) out and receives them back.
-        copies_bytes = local_tokens * moe.top_k * h * b
         span = ep_span or Span()
         if dispatcher == "flex" and span.crosses_nodes:
             a2a = 2 * flex_dispatch_seconds(profile, moe, tokens=local_tokens,
                                             token_bytes=h * b, group=group, span=span)
         else:
-            a2a = 2 * all_to_all_seconds(profile, copies_bytes, group, span=ep_span)
+            # Each rank sends its tokens' top_k copies (hidden wide) out and receives them.
+            a2a = 2 * all_to_all_seconds(profile, local_tokens * moe.top_k * h * b, group,
+                                         span=ep_span)
     return router + experts, flops, a2a
 
 

@@ -152,8 +152,7 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         # unless FSDP or merged pipeline stages split them too.
         pipeline_merged = train.pp != (gen.pp if scheme == "micro_dp" else 1)
         whole_everywhere = train.sharding != "fsdp" and not pipeline_merged
-        tensors = weight_tensors(model, replicated=not whole_everywhere,
-                                 part="dense" if model.moe is not None else "all")
+        tensors = weight_tensors(model, replicated=not whole_everywhere, part="dense")
         seconds = sum(count * all_gather_seconds(
             profile, elements * DTYPE_BYTES[dtype] * fraction * group / (group - 1), group,
             span=span) for elements, count in tensors.items())

@@ -65,17 +65,17 @@ def weight_sync(model: ModelSpec, trainer: DeviceProfile, link: DeviceProfile,
     # An MoE model's routed experts are whole on one expert-parallel rank each (or cut over
     # etp): they are gathered over etp only, the rest over the tensor x pipeline shards.
     expert_shards = train.world_size if train.sharding == "fsdp" else train.etp
-    parts = ((weight_tensors(model, part="dense" if model.moe else "all"), shards, span),
+    parts = ((weight_tensors(model, part="dense"), shards, span),
              (weight_tensors(model, part="experts"), expert_shards,
               group_span(expert_shards, 1, gpus_per_node)))
-    for elements, how_many, group, group_at in ((e, n, g, s) for tensors, g, s in parts
-                                                for e, n in tensors.items()):
-        nbytes = elements * element_bytes
-        gather += how_many * all_gather_seconds(trainer, nbytes, group, span=group_at)
-        broadcast += how_many * broadcast_seconds(link, nbytes, rollout_gpus,
-                                                  crosses_nodes=crosses_nodes,
-                                                  gpus_per_node=gpus_per_node)
-        count += how_many
-        total += how_many * nbytes
+    for tensors, group, group_at in parts:
+        for elements, how_many in tensors.items():
+            nbytes = elements * element_bytes
+            gather += how_many * all_gather_seconds(trainer, nbytes, group, span=group_at)
+            broadcast += how_many * broadcast_seconds(link, nbytes, rollout_gpus,
+                                                      crosses_nodes=crosses_nodes,
+                                                      gpus_per_node=gpus_per_node)
+            count += how_many
+            total += how_many * nbytes
     return WeightSyncCost(seconds=gather + broadcast, gather_seconds=gather,
                           broadcast_seconds=broadcast, bytes_sent=total, tensors=count)

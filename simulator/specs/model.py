@@ -114,10 +114,6 @@ class ModelSpec:
     """Layers with an MoE MLP (0 for a dense model)."""
     expert_params_per_moe_layer: int = field(init=False, repr=False)
     """Weights of one routed expert's MLP (0 for a dense model)."""
-    router_params_per_moe_layer: int = field(init=False, repr=False)
-    """Weights of one MoE layer's router (hidden x experts)."""
-    shared_params_per_moe_layer: int = field(init=False, repr=False)
-    """Weights of one MoE layer's shared experts."""
     active_linear_params_per_layer: int = field(init=False, repr=False)
     """Mean over layers of the matrix weights one token goes through (FLOPs: 2 per weight)."""
     _hash: int = field(init=False, repr=False, compare=False)
@@ -197,8 +193,6 @@ class ModelSpec:
         set_(self, "active_param_count", active)
         set_(self, "moe_layers", moe_layers)
         set_(self, "expert_params_per_moe_layer", expert)
-        set_(self, "router_params_per_moe_layer", router)
-        set_(self, "shared_params_per_moe_layer", shared)
         set_(self, "active_linear_params_per_layer", active_linear)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
 
