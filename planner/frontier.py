@@ -460,8 +460,9 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     combination when ``prune`` is off)."""
     generation_cache = {} if generation_cache is None else generation_cache
     group_of = {name: i for i, g in enumerate(groups) for name in g.nodes}
-    generate_nodes = [n for n in job.dataflow.nodes
-                      if n.role in roles and n.operation == "generate"]
+    # A trainer whose actor generates on a rollout set elsewhere has no generation here.
+    generate_nodes = [n for n in job.dataflow.nodes if n.role in roles
+                      and n.operation == "generate" and not job.generation_elsewhere]
     transition_group = group_of[generate_nodes[0].name] if generate_nodes else None
     others = [r for r in roles if not any(n.role == r for n in generate_nodes)]
     generators = [r for r in roles if r not in others]

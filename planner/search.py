@@ -425,7 +425,8 @@ class Search:
             out = [(name, min(c.node_seconds[index][1] for c in cands))
                    for index, (name, _) in enumerate(cands[0].node_seconds)]
             generates = [n for n in self.job.dataflow.nodes
-                         if n.role == role and n.operation == "generate"]
+                         if n.role == role and n.operation == "generate"
+                         and not self.job.generation_elsewhere]
             if generates:
                 out.append((generates[0].name, min(c.transition_seconds for c in cands)))
             for node in generates:

@@ -122,6 +122,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_sizes(layers: int) -> list[int]:
+    """Pipeline sizes to search for a model of ``layers`` layers: those dividing the layers
+    and the powers of two up to them (stages of unequal layer counts, the heaviest pacing the
+    pipeline: DeepSeek-V3's 61 layers, Qwen3-235B's 94)."""
+    return sorted(set(_divisors(layers)) | set(_powers_of_two(layers)))
+
+
 def role_configs(job: JobSpec, role: str, gpus: int,
                  options: SpaceOptions = SpaceOptions()) -> list[RolePlan]:
     """Algorithm 2's space for one model on ``gpus`` GPUs, within the job's pins: tp up to a
@@ -131,7 +138,9 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     model = job.model(role)
     dataflow = job.dataflow
     trained = role in dataflow.trained_roles
-    generates = "generate" in dataflow.operations_of(role)
+    # An actor whose generation runs on a rollout set of its own (asynchronous modes' trainer
+    # side) keeps only its training layout here.
+    generates = "generate" in dataflow.operations_of(role) and not job.generation_elsewhere
     gpn = job.cluster.gpus_per_node
     pin = job.parallel.get(role)
     pins = pin.set_fields() if pin else {}
@@ -148,7 +157,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         options.backend == "any" and megatron_installed() and job.data is None)
     if megatron and pins.get("sharding") in (None, "none", "optimizer"):
         for tp in tps:
-            for pp in _divisors(model.layers):
+            for pp in pipeline_sizes(model.layers):
                 if gpus % (tp * pp) or pins.get("pp", pp) != pp:
                     continue
                 dp = gpus // (tp * pp)
@@ -227,7 +236,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     out: list[RolePlan] = []
     candidates = [(t, p, sh, e) for t, p, sh in layouts for e in expert_layouts(t, p, sh)]
     for tp, pp, sharding, (ep, etp) in candidates:
-        if vpp > 1 and (pp == 1 or model.layers % (pp * vpp)):
+        if vpp > 1 and (pp == 1 or model.layers % (pp * vpp)):  # interleaving: equal chunks
             continue
         for mbs in micro_batches:
             for recompute in recomputes:
@@ -247,7 +256,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 shards = gpus if sharding == "fsdp" else max(tp, ep * etp) * pp
                 gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
                     p for p in _divisors(pp if sharding != "fsdp" else 1)
-                    if model.layers % p == 0 and (p == 1 or generation_pipelines)]
+                    if p <= model.layers and (p == 1 or generation_pipelines)]
                 for gen_tp in _powers_of_two(min(gpn, shards)):
                     if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
                         continue

@@ -78,6 +78,15 @@ def planned(name: str):
                             parallel={"actor": {"ep": 2, "generation_ep": 4},
                                       "ref": {"ep": 4}}),
                         SearchOptions(space=SpaceOptions(backend="megatron")))
+    if name == "grpo-uneven-pp":  # 6 layers on 4 pipeline stages (1, 2, 2, 1)
+        six = {"layers": 6, "hidden": 128, "ffn_hidden": 256, "heads": 8, "kv_heads": 4,
+               "vocab": 64, "mlp": "swiglu", "tied_embeddings": True}
+        return plan_job(job("grpo", models={"actor": six, "ref": six, "reward": "rule"},
+                            reward_function={"path": str(SUMS)},
+                            workload={"samples_per_prompt": 4},
+                            parallel={"actor": {"pp": 4, "tp": 1, "sharding": "optimizer"},
+                                      "ref": {"pp": 4, "tp": 1}}),
+                        SearchOptions(space=SpaceOptions(backend="simulated")))
     raise KeyError(name)
 
 

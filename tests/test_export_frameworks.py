@@ -95,6 +95,21 @@ def test_verl_composes_and_validates_the_export(name: str, which: str, tiny_mode
         assert cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node == plan.rollout.gpus
 
 
+def test_verl_takes_megatrons_first_and_last_stage_sizes(tiny_model: Path) -> None:
+    plan = strategy("grpo-uneven-pp", "searched")
+    files = verl_files(plan, job_of(plan))
+    cfg = verl_config(files["verl_overrides.txt"], files["run_verl.sh"],
+                      model_overrides(files, tiny_model))
+    verl_validate(cfg)
+    # 6 layers on 4 stages: middle stages of 2, the first and last of 1; the reference
+    # worker resolves the actor's override.
+    for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref):
+        assert role.megatron.pipeline_model_parallel_size == 4
+        override = role.megatron.override_transformer_config
+        assert (override.num_layers_in_first_pipeline_stage,
+                override.num_layers_in_last_pipeline_stage) == (1, 1)
+
+
 def test_verl_catches_an_unknown_key_and_an_indivisible_batch(tiny_model: Path) -> None:
     from hydra.errors import ConfigCompositionException
 

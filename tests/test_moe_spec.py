@@ -112,18 +112,6 @@ def test_hf_mixtral_and_qwen2_moe_configs(tmp_path: Path):
     assert qwen2.moe.shared_experts == 1 and qwen2.moe.shared_ffn == 5632
 
 
-def test_hf_deepseek_v3_is_refused_naming_the_attention(tmp_path: Path):
-    with pytest.raises(SpecError, match="multi-head latent attention") as info:
-        from_hf_config(_hf(tmp_path, {
-            "model_type": "deepseek_v3", "hidden_act": "silu", "hidden_size": 7168,
-            "intermediate_size": 18432, "moe_intermediate_size": 2048,
-            "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
-            "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-            "first_k_dense_replace": 3, "kv_lora_rank": 512, "vocab_size": 129280}))
-    # The experts are read all the same, for the user's spec file.
-    assert "experts=256" in str(info.value) and "first_dense_layers=3" in str(info.value)
-
-
 def test_hf_interleaved_dense_layers_are_refused(tmp_path: Path):
     with pytest.raises(SpecError, match="mlp_only_layers"):
         from_hf_config(_hf(tmp_path, {

@@ -93,6 +93,10 @@ def check_available(role: str, training: str, generation: str, *, spec: object =
         raise SpecError(f"{getattr(spec, 'name', role)} is a mixture of experts: the torch "
                         "backend builds dense models only; train it with training: megatron",
                         key=f"backends.{role}.training")
+    if getattr(spec, "mla", None) is not None:
+        raise SpecError(f"{getattr(spec, 'name', role)} attends with multi-head latent "
+                        "attention, which the executor's engines do not build (the planner "
+                        "still plans it)", key=f"backends.{role}.training")
     if generation not in GENERATION_BACKENDS:
         raise SpecError(f"unknown generation backend {generation!r} (available: "
                         f"{', '.join(GENERATION_BACKENDS)})", key=f"backends.{role}.generation")

@@ -21,6 +21,8 @@ from planner.export import Layout, nodes_of, read_argument_lines, set_key
 from profiles.datafile import SpecError
 from simulator.plan import Plan, RolePlan
 from simulator.specs.job import RULE, JobSpec
+from simulator.specs.model import ModelSpec
+from simulator.specs.parallel import ParallelConfig, outer_stage_layers
 
 VERL_VERSION = "0.9.1"
 """The verl release the overrides are written for (and tested against)."""
@@ -90,9 +92,10 @@ def _check_placement(plan: Plan, job: JobSpec) -> None:
 
 
 def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key: str,
-                 moe: bool = False) -> list[str]:
+                 model: ModelSpec) -> list[str]:
     par = rp.parallel
     key = f"roles.{role}.parallel"
+    moe = model.moe is not None
     if moe and engine == "fsdp" and (par.ep > 1 or par.etp > 1):
         raise SpecError(f"verl 0.9's FSDP engine has no expert parallelism ({role}: "
                         f"{par.short()}); train it with Megatron", key=f"{key}.ep")
@@ -115,7 +118,25 @@ def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key:
         f"{prefix}.megatron.use_distributed_optimizer={_bool(par.sharding == 'optimizer')}",
     ] + ([f"{prefix}.megatron.expert_model_parallel_size={par.ep}",
           # Megatron's default for an unset expert tensor size is the tp size: always say it.
-          f"{prefix}.megatron.expert_tensor_parallel_size={par.etp}"] if moe else [])
+          f"{prefix}.megatron.expert_tensor_parallel_size={par.etp}"] if moe else []
+         ) + _uneven_stages(role, par, model, prefix)
+
+
+def _uneven_stages(role: str, par: ParallelConfig, model: ModelSpec, prefix: str) -> list[str]:
+    """Megatron's first/last stage layer counts when pp does not divide the layers (verl
+    passes override_transformer_config to Megatron's TransformerConfig; its reference worker
+    takes the actor's, so only the actor and the critic write them)."""
+    split = outer_stage_layers(model.layers, par.pp)
+    if split is None and par.pp > 1 and model.layers % par.pp:
+        raise SpecError(f"pp={par.pp} leaves Megatron's first or last stage of the "
+                        f"{model.layers} layers of {model.name} empty ({role}: {par.short()})",
+                        key=f"roles.{role}.parallel.pp")
+    if split is None or role == "ref":
+        return []
+    first, last = split
+    override = f"+{prefix}.megatron.override_transformer_config"
+    return [f"{override}.num_layers_in_first_pipeline_stage={first}",
+            f"{override}.num_layers_in_last_pipeline_stage={last}"]
 
 
 def _bool(value: bool) -> str:
@@ -169,7 +190,7 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         f"actor_rollout_ref.actor.ppo_epochs={work.ppo_epochs}",
     ]
     out += _role_layout("actor", actor, engine, "actor_rollout_ref.actor", fsdp_key="fsdp_config",
-                        moe=job.model("actor").moe is not None)
+                        model=job.model("actor"))
     # The reference pass is what makes verl build a reference worker: a KL loss (GRPO) or a
     # KL penalty in the reward (PPO, ReMax).
     if "ref" in plan.roles:
@@ -178,8 +199,14 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         ref = plan.roles["ref"]
         out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
                    f"{ref.parallel.micro_batch_size}")
+        if outer_stage_layers(job.model("ref").layers, ref.parallel.pp) != outer_stage_layers(
+                job.model("actor").layers, actor.parallel.pp):
+            raise SpecError("verl's reference takes the actor's first/last pipeline stage "
+                            f"sizes: ref {ref.parallel.short()} and actor "
+                            f"{actor.parallel.short()} cut the layers differently",
+                            key="roles.ref.parallel.pp")
         out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
-                            moe=job.model("ref").moe is not None)
+                            model=job.model("ref"))
     out += [
         "actor_rollout_ref.rollout.name=vllm",
         f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
@@ -198,7 +225,7 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
         out += [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
                 f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
         out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp",
-                            moe=job.model("critic").moe is not None)
+                            model=job.model("critic"))
     out += _reward(plan, job, gpn)
     if plan.rollout is not None:
         r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)

@@ -25,7 +25,7 @@ from simulator.costs.primitives import (
 from simulator.costs.transformer import head_forward_seconds, layer_cost
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
-from simulator.specs.parallel import GenerationConfig
+from simulator.specs.parallel import GenerationConfig, stage_layers
 
 PREFILL_CHUNK_TOKENS = 8192
 """Tokens per prefill batch (verl's rollout default max_num_batched_tokens: 8192)."""
@@ -176,7 +176,7 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
                       gpus_per_node: int) -> DecodeStepModel:
     b = DTYPE_BYTES[dtype]
     tp, pp = gen.tp, gen.pp
-    layers = model.layers / pp
+    layers = stage_layers(model.layers, pp)
     head = model.hidden * model.vocab / tp
     weights = (layers * model.linear_params_per_layer() / tp + head) * b
     expert_bytes = touch = 0.0
@@ -189,10 +189,10 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         # Spread over the tp ranks, or with expert-parallel serving over the ep group.
         expert_bytes = layers * model.expert_params() / model.layers / max(tp, gen.ep) * b
         touch = model.moe.top_k / model.moe.experts
-    kv_heads_local = math.ceil(model.kv_heads / tp)  # KV heads are replicated when tp > kv
-    kv_per_token = 2 * layers * kv_heads_local * model.head_dim_value * b
+    # KV heads are replicated when tp > kv_heads; an MLA latent is whole on every rank.
+    kv_per_token = layers * model.kv_cache_elements_per_token_per_layer(tp) * b
     matmul = 2 * (layers * model.linear_params_per_layer() / tp + head)
-    attention = 4 * layers * model.q_size / tp
+    attention = layers * model.decode_attention_flops_per_cached_token(tp)
     return DecodeStepModel(
         weight_bytes_per_gpu=weights,
         kv_bytes_per_token_per_gpu=kv_per_token,
@@ -208,7 +208,7 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         expert_batch_multiplier=max(1.0, gen.ep / tp),
         expert_exchange_bytes_per_token=(model.moe.top_k * model.hidden * b / tp
                                          if model.moe is not None else 0.0),
-        moe_layers_per_stage=model.moe_layers / pp,
+        moe_layers_per_stage=min(model.moe_layers, layers),
         ep=gen.ep,
         gpus_per_node=gpus_per_node,
         # A token's top_k expert GEMMs (2 FLOPs per weight), on the GPUs holding the experts:
@@ -260,7 +260,7 @@ def prefill_seconds(model: ModelSpec, profile: DeviceProfile, gen: GenerationCon
                        ep=gen.ep, ep_span=group_span(gen.ep, 1, gpus_per_node))
     # The fitted prefill correction scales kernels only, not the TP collectives.
     compute_scale = profile.correction("prefill_compute")
-    stage = model.layers / gen.pp * (layer.forward_seconds * compute_scale
+    stage = stage_layers(model.layers, gen.pp) * (layer.forward_seconds * compute_scale
                                      + layer.tp_forward_seconds)
     # Only the last position of each prompt needs logits.
     head = head_forward_seconds(model, profile, tokens=batch, tp=gen.tp, dtype=dtype,

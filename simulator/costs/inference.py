@@ -20,7 +20,7 @@ from simulator.costs.transformer import (
     vocab_parallel_seconds,
 )
 from simulator.specs.model import ModelSpec
-from simulator.specs.parallel import ParallelConfig
+from simulator.specs.parallel import ParallelConfig, stage_layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     forward = layer.forward_seconds * compute_scale
     # The pass runs in the training engine: its collectives are the engine's.
     tp_comm = layer.tp_training_forward_seconds
-    stage = model.layers / par.pp * (forward + tp_comm)
+    stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
                                     par.dp, span=data_parallel_span(par, gpus_per_node),

@@ -31,7 +31,7 @@ from simulator.costs.transformer import (
     vocab_parallel_seconds,
 )
 from simulator.specs.model import ModelSpec
-from simulator.specs.parallel import ParallelConfig
+from simulator.specs.parallel import ParallelConfig, stage_layers
 
 TRAIN = "train_collective"
 """Correction key of the collectives inside a training step (gradient reduction, FSDP
@@ -161,7 +161,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                        tp_crosses_nodes=tp_cross, ep=par.ep, etp=par.etp,
                        ep_span=expert_parallel_span(par, gpus_per_node),
                        dispatcher=par.moe_dispatcher)
-    layers_per_stage = model.layers / par.pp
+    layers_per_stage = stage_layers(model.layers, par.pp)
     tokens = mbs * seq_len
 
     # The profile's fitted compute correction scales kernels only: collectives carry their

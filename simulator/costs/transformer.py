@@ -27,6 +27,7 @@ from simulator.costs.primitives import (
     reduce_scatter_seconds,
 )
 from simulator.specs.model import ModelSpec, MoESpec
+from simulator.specs.parallel import stage_layers
 
 AttentionImpl = Literal["flash", "unfused"]
 """flash: fused attention that never stores the s x s scores (FlashAttention-2);
@@ -73,8 +74,6 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     the expert-parallel group sits)."""
     b = DTYPE_BYTES[dtype]
     h = model.hidden
-    q = model.q_size
-    kv = model.kv_size
     ffn = model.ffn_hidden
     heads_local = model.heads / tp
     tokens = micro_batch * seq_len
@@ -84,9 +83,8 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
 
     # --- GEMMs (forward); backward is dgrad + wgrad of the same shapes ---
     mlp_in_width = (2 if swiglu else 1) * ffn / tp
-    attention_gemms = (gemm_seconds(profile, tokens, (q + 2 * kv) / tp, h, dtype)
-                       + gemm_seconds(profile, tokens, h, q / tp, dtype))
-    attention_flops = 2 * tokens * (h * (q + 2 * kv) + q * h) / tp
+    attention_gemms, attention_flops = attention_projection_cost(
+        model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype)
     dense_mlp = (gemm_seconds(profile, tokens, mlp_in_width, h, dtype)
                  + gemm_seconds(profile, tokens, h, ffn / tp, dtype))
     dense_mlp_flops = 2 * tokens * (h * mlp_in_width * tp + ffn * h) / tp
@@ -110,8 +108,9 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
 
     # --- attention core ---
     hd = model.head_dim_value
+    pair_flops = model.attention_pair_flops() / tp
     if attention == "flash":
-        core_flops = 4.0 * micro_batch * seq_len * seq_len * q / tp * 0.5  # causal half
+        core_flops = pair_flops * micro_batch * seq_len * seq_len * 0.5  # causal half
         core_fwd = attention_kernel_seconds(profile, core_flops, dtype)
         core_bwd = FLASH_BACKWARD_FLOPS_RATIO * core_fwd
         score_elements = 0.0
@@ -119,7 +118,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         bmm_batch = micro_batch * heads_local
         core_fwd = 2 * gemm_seconds(profile, seq_len * bmm_batch, seq_len, hd, dtype)
         core_bwd = 2 * core_fwd
-        core_flops = 4.0 * micro_batch * seq_len * seq_len * q / tp
+        core_flops = pair_flops * micro_batch * seq_len * seq_len
         score_elements = micro_batch * heads_local * seq_len * seq_len
         softmax_fwd_bytes = 2 * b * score_elements
         softmax_bwd_bytes = 3 * b * score_elements
@@ -136,7 +135,8 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         + 2 * 3 * h * b / sp_div                                  # two residual adds
         + (2 * (2 * h * b + h) / sp_div if model.dropout else 0)  # two dropouts + masks
         + ((3 if swiglu else 2) * activation_width * b)          # activation function
-        + (2 * (q + kv) * b / tp if model.learned_positions == 0 else 0)  # rotary on q, k
+        + (2 * rotary_width(model, tp) * b if model.learned_positions == 0 else 0)
+        + (2 * 2 * latent_norm_width(model) * b / sp_div)        # MLA: two latent norms
     )
     elementwise_kernels = 4 + (2 if model.dropout else 0) + 1 + (
         1 if model.learned_positions == 0 else 0)
@@ -150,11 +150,17 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     # --- tensor-parallel communication: 2 per direction (after attention and after MLP) ---
     full_bytes = tokens * h * b
 
+    # Under sequence parallelism the attention gathers what its column-parallel projections
+    # read: the hidden state, or for latent attention the latents and the rotary key.
+    attention_gather_bytes = tokens * attention_gather_width(model) * b
+
     def tp_comm(correction: str) -> float:
         if sp:
-            return 2 * (all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes,
-                                           correction=correction)
-                        + reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+            return (all_gather_seconds(profile, attention_gather_bytes, tp, tp_crosses_nodes,
+                                       correction=correction)
+                    + all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                         correction=correction)
+                    + 2 * reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes,
                                                  correction=correction))
         return 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes,
                                       correction=correction)
@@ -181,7 +187,7 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     else:
         per_token_saved = (
             2 * h * b / sp_div                       # norm-1 input and QKV input
-            + (q + 2 * kv) * b / tp                  # Q, K, V
+            + saved_qkv_width(model, tp, sp_div) * b  # Q, K, V (and MLA's latents)
             + 2 * h * b / sp_div                     # norm-2 input and MLP input
             + (3 if swiglu else 2) * activation_width * b  # MLP: up (+ gate), activation out
             # MoE: the dispatched copies of each token (its experts' inputs) on the layers
@@ -191,9 +197,9 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
             + (2 * h / sp_div if model.dropout else 0)  # two dropout masks (1 byte)
         )
         if attention == "flash":
-            per_token_saved += q * b / tp + 4 * heads_local  # output (= out-proj input), LSE
+            per_token_saved += model.v_size * b / tp + 4 * heads_local  # output, LSE
         else:
-            per_token_saved += q * b / tp                     # out-proj input
+            per_token_saved += model.v_size * b / tp                     # out-proj input
             if recompute != "selective":
                 score_per_token = heads_local * seq_len
                 per_token_saved += score_per_token * (b + ((b + 1) if model.dropout else 0))
@@ -210,6 +216,69 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         input_bytes=input_bytes,
         forward_flops=gemm_flops + core_flops,
     )
+
+
+def attention_projection_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float,
+                              tp: int, sequence_parallel: bool, dtype: str
+                              ) -> tuple[float, float]:
+    """(forward seconds, forward FLOPs) of one layer's attention projections on one of ``tp``
+    ranks for ``tokens`` tokens of its tensor-parallel group. Standard attention: the fused
+    column-parallel QKV projection and the row-parallel output projection. Multi-head latent
+    attention: the duplicated down projections to the query and key/value latents (on the
+    rank's sequence shard under sequence parallelism, on every token otherwise: Megatron's
+    MLA), the column-parallel up projections and the row-parallel output projection."""
+    h = model.hidden
+    mla = model.mla
+    if mla is None:
+        q, kv = model.q_size, model.kv_size
+        seconds = (gemm_seconds(profile, tokens, (q + 2 * kv) / tp, h, dtype)
+                   + gemm_seconds(profile, tokens, h, q / tp, dtype))
+        return seconds, 2 * tokens * (h * (q + 2 * kv) + q * h) / tp
+    down_tokens = tokens / tp if sequence_parallel else tokens
+    shapes = [(down_tokens, mla.latent_width, h)]                      # key/value latent
+    if mla.q_lora_rank:
+        shapes += [(down_tokens, mla.q_lora_rank, h),                  # query latent
+                   (tokens, model.q_size / tp, mla.q_lora_rank)]       # queries up
+    else:
+        shapes += [(tokens, model.q_size / tp, h)]                     # queries
+    shapes += [(tokens, model.heads * (mla.qk_nope_head_dim + mla.v_head_dim) / tp,
+                mla.kv_lora_rank),                                     # keys and values up
+               (tokens, h, model.v_size / tp)]                         # output projection
+    seconds = sum(gemm_seconds(profile, m, n, k, dtype) for m, n, k in shapes)
+    return seconds, sum(2 * m * n * k for m, n, k in shapes)
+
+
+def attention_gather_width(model: ModelSpec) -> int:
+    """Elements per token the attention block all-gathers under sequence parallelism: the
+    hidden state, or for latent attention the query latent (the hidden state without one),
+    the key/value latent and the rotary key that the column-parallel projections read."""
+    mla = model.mla
+    if mla is None:
+        return model.hidden
+    return (mla.q_lora_rank or model.hidden) + mla.latent_width
+
+
+def latent_norm_width(model: ModelSpec) -> int:
+    """Elements per token of latent attention's two latent norms (0 without)."""
+    return model.mla.q_lora_rank + model.mla.kv_lora_rank if model.mla is not None else 0
+
+
+def rotary_width(model: ModelSpec, tp: int) -> float:
+    """Elements per token rotated on one of ``tp`` ranks: the rank's query and key heads, or
+    for latent attention the rotary parts of its query heads and the one shared rotary key."""
+    if model.mla is None:
+        return (model.q_size + model.kv_size) / tp
+    return model.heads * model.mla.qk_rope_head_dim / tp + model.mla.qk_rope_head_dim
+
+
+def saved_qkv_width(model: ModelSpec, tp: int, sp_div: int) -> float:
+    """Elements per token the attention keeps for its backward on one of ``tp`` ranks: Q, K
+    and V, and for latent attention also the latents before and after their norms and the
+    rotary key (on the rank's sequence shard, ``sp_div``, under sequence parallelism)."""
+    if model.mla is None:
+        return (model.q_size + 2 * model.kv_size) / tp
+    latents = 2 * latent_norm_width(model) + model.mla.qk_rope_head_dim
+    return (2 * model.q_size + model.v_size) / tp + latents / sp_div
 
 
 MOE_IMBALANCE_CORRECTION = "expert_imbalance"
@@ -329,7 +398,7 @@ def embedding_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float
 def stage_expert_param_count(model: ModelSpec, *, pp: int, ep: int = 1, etp: int = 1) -> float:
     """Routed-expert parameters on one GPU of a pipeline stage (part of
     ``stage_param_count``): the stage's layers' experts split over the ep x etp ranks."""
-    return model.expert_params() / pp / (ep * etp)
+    return model.expert_params() / model.layers * stage_layers(model.layers, pp) / (ep * etp)
 
 
 def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, ep: int = 1,
@@ -344,7 +413,7 @@ def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, e
     # MoE: the routed experts are split over the ep x etp ranks instead (Megatron's expert
     # parallel layout); the router and shared experts follow tensor parallelism.
     experts = model.expert_params() / model.layers
-    layers = model.layers / pp * ((model.params_per_layer - replicated - experts) / tp
+    layers = stage_layers(model.layers, pp) * ((model.params_per_layer - replicated - experts) / tp
                                   + experts / (ep * etp) + replicated)
     embedding = model.vocab * model.hidden / tp + model.learned_positions * model.hidden
     if value_head:

@@ -54,12 +54,25 @@ def weight_tensors(model: ModelSpec, *, replicated: bool = True,
     h, q, kv, ffn = model.hidden, model.q_size, model.kv_size, model.ffn_hidden
     mats = 3 if model.mlp == "swiglu" else 2
     moe = model.moe
+    mla = model.mla
     if moe is not None and part in ("all", "experts"):
         add(h * moe.expert_ffn_hidden, mats * moe.experts * model.moe_layers)
     if part == "experts":
         return sizes
-    add(h * q, 2 * model.layers)          # q and o projections
-    add(h * kv, 2 * model.layers)         # k and v projections
+    if mla is None:
+        add(h * q, 2 * model.layers)          # q and o projections
+        add(h * kv, 2 * model.layers)         # k and v projections
+    else:
+        add(mla.kv_lora_rank * model.heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+            model.layers)                                            # keys and values up
+        add(model.v_size * h, model.layers)                          # output projection
+        add((mla.q_lora_rank or h) * q, model.layers)                # queries (up)
+        if replicated:  # duplicated on every tensor-parallel rank, with the latents' norms
+            add(h * mla.latent_width, model.layers)
+            if mla.q_lora_rank:
+                add(h * mla.q_lora_rank, model.layers)
+                add(mla.q_lora_rank, model.layers)
+            add(mla.kv_lora_rank, model.layers)
     add(h * ffn, mats * (model.layers - model.moe_layers))  # dense MLPs
     if moe is not None:
         add(h * moe.experts, model.moe_layers)  # routers

@@ -21,7 +21,7 @@ from simulator.specs.dataflow import (
 )
 from simulator.specs.lengths import parse_lengths
 from simulator.specs.model import ModelSpec, load_model
-from simulator.specs.parallel import Dispatcher, Recompute, Sharding
+from simulator.specs.parallel import Dispatcher, Recompute, Sharding, check_pipeline_stages
 from simulator.specs.workload import Workload
 
 RULE = "rule"
@@ -87,20 +87,17 @@ def _check_pin_layout(pin: RolePin, model: ModelSpec, *, key: str) -> None:
     if pin.ep and model.moe is not None and model.moe.experts % pin.ep:
         raise SpecError(f"ep={pin.ep} does not divide the {model.moe.experts} experts of "
                         f"{model.name}", key=f"{key}.ep")
-    stages = (pin.pp or 1) * (pin.vpp or 1)
-    if (pin.pp or pin.vpp) and model.layers % stages:
-        what = "pp*vpp" if pin.vpp else "pp"
-        raise SpecError(f"{what}={stages} does not divide the {model.layers} layers of "
-                        f"{model.name}", key=f"{key}.{'vpp' if pin.vpp else 'pp'}")
+    if pin.pp or pin.vpp:
+        check_pipeline_stages(model, pin.pp or 1, pin.vpp or 1, key=key)
     if pin.vpp and pin.vpp > 1 and pin.pp == 1:
         raise SpecError("virtual pipeline stages need pp > 1", key=f"{key}.vpp")
     if pin.sharding == "fsdp" and pin.pp and pin.pp > 1:
         raise SpecError("FSDP shards whole layers across data-parallel ranks and does not "
                         "combine with pipeline parallelism here; pin pp: 1 or another sharding",
                         key=f"{key}.sharding")
-    if pin.generation_pp and model.layers % pin.generation_pp:
-        raise SpecError(f"generation_pp={pin.generation_pp} does not divide the {model.layers} "
-                        f"layers of {model.name}", key=f"{key}.generation_pp")
+    if pin.generation_pp and pin.generation_pp > model.layers:
+        raise SpecError(f"generation_pp={pin.generation_pp} is more stages than the "
+                        f"{model.layers} layers of {model.name}", key=f"{key}.generation_pp")
     # 3D-HybridEngine: without FSDP each GPU's training shard must lie inside its generation
     # shard, so the generation sizes divide the training ones (an MoE model with ep > 1 spans
     # the ep group too: GenerationConfig.check judges that once the layout is known).

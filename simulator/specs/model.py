@@ -49,6 +49,44 @@ class MoESpec:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3; DeepSeek-V2 report, arXiv 2405.04434
+    §2.1): keys and values come out of one shared latent of ``kv_lora_rank`` per token, beside
+    one rotary key of ``qk_rope_head_dim`` shared by all heads (what a generation engine caches),
+    projected up per head; queries go through a latent of ``q_lora_rank`` (or straight from the
+    hidden state when it is 0)."""
+
+    kv_lora_rank: int
+    """Width of the compressed key/value latent (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int
+    """Per-head query/key width without rotary embedding (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int
+    """Per-head query width with rotary embedding, and of the rotary key all heads share
+    (DeepSeek-V3: 64)."""
+    v_head_dim: int
+    """Per-head value width (DeepSeek-V3: 128)."""
+    q_lora_rank: int = 0
+    """Width of the compressed query latent; 0 projects queries straight from the hidden state
+    (DeepSeek-V2-Lite). DeepSeek-V3: 1536."""
+
+    def __post_init__(self) -> None:
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            require(getattr(self, key) > 0,
+                    f"must be a positive integer, got {getattr(self, key)}", key)
+        require(self.q_lora_rank >= 0, f"must be >= 0, got {self.q_lora_rank}", "q_lora_rank")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys (the part without and with rotary embedding)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Elements cached per token and layer: the key/value latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class ModelSpec:
     """A decoder-only transformer. Parameter count and FLOPs are derived, never typed in."""
 
@@ -91,10 +129,20 @@ class ModelSpec:
     moe: MoESpec | None = None
     """Mixture of experts: the MLP of every layer after ``moe.first_dense_layers`` is a router
     and experts (None: a dense model)."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention instead of (grouped-query) attention (None: standard
+    attention). ``head_dim`` is then the query/key head width and ``kv_heads`` must equal
+    ``heads``."""
 
     head_dim_value: int = field(init=False, repr=False)
+    """Per-head width of queries and keys."""
     q_size: int = field(init=False, repr=False)
+    """Width of all query heads (= of all key heads under multi-head latent attention)."""
     kv_size: int = field(init=False, repr=False)
+    """Width of the key (and of the value) projection's output under grouped-query attention;
+    under multi-head latent attention that of the keys after the up projection."""
+    v_size: int = field(init=False, repr=False)
+    """Width of the attention output, every head's values (the output projection's input)."""
     attention_params_per_layer: int = field(init=False, repr=False)
     mlp_params_per_layer: int = field(init=False, repr=False)
     norm_params_per_layer: int = field(init=False, repr=False)
@@ -130,7 +178,18 @@ class ModelSpec:
         require(self.heads % self.kv_heads == 0,
                 f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})",
                 "kv_heads")
-        if self.head_dim is None:
+        mla = self.mla
+        if mla is not None:
+            require(self.kv_heads == self.heads,
+                    f"multi-head latent attention has a key and value per head: kv_heads "
+                    f"({self.kv_heads}) must equal heads ({self.heads})", "kv_heads")
+            require(self.head_dim in (None, mla.qk_head_dim),
+                    f"head_dim ({self.head_dim}) must be mla.qk_nope_head_dim + "
+                    f"mla.qk_rope_head_dim ({mla.qk_head_dim}) or left out", "head_dim")
+            require(not (self.qkv_bias or self.linear_bias),
+                    "biases are not modelled with multi-head latent attention", "qkv_bias")
+            head_dim = mla.qk_head_dim
+        elif self.head_dim is None:
             require(self.hidden % self.heads == 0,
                     f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
                     "unless head_dim is given", "heads")
@@ -140,8 +199,25 @@ class ModelSpec:
             head_dim = self.head_dim
         h = self.hidden
         q_size = self.heads * head_dim
-        kv_size = self.kv_heads * head_dim
-        attn = h * q_size + 2 * h * kv_size + q_size * h
+        if mla is None:
+            kv_size = self.kv_heads * head_dim
+            v_size = q_size
+            attn_linear = 2 * h * q_size + 2 * h * kv_size
+            attn = attn_linear
+            duplicated = 0
+        else:
+            kv_size = q_size
+            v_size = self.heads * mla.v_head_dim
+            # The down projections (hidden -> latents) are duplicated on every tensor-parallel
+            # rank (Megatron's MLA builds them parallel_mode="duplicated", vLLM as
+            # ReplicatedLinear); the up projections and the output projection are split.
+            down = h * (mla.q_lora_rank + mla.latent_width)
+            query = mla.q_lora_rank * q_size if mla.q_lora_rank else h * q_size
+            up_kv = mla.kv_lora_rank * self.heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            attn_linear = down + query + up_kv + v_size * h
+            # The latents' norms (query latent, key/value latent) are duplicated too.
+            duplicated = down + mla.q_lora_rank + mla.kv_lora_rank
+            attn = attn_linear + mla.q_lora_rank + mla.kv_lora_rank
         if self.qkv_bias or self.linear_bias:
             attn += q_size + 2 * kv_size
         if self.linear_bias:
@@ -173,14 +249,14 @@ class ModelSpec:
         layer_total = self.layers * (attn + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp
         total = layer_total + embedding + lm_head + norm_vec * h
         active = total - moe_layers * (moe_mlp - active_moe_mlp)
-        attn_linear = 2 * h * q_size + 2 * h * kv_size
         active_linear = attn_linear + (dense_layers * mlp_mats * h * self.ffn_hidden
                                        + moe_layers * active_moe_mlp) // self.layers
-        replicated = norms + (2 * h if self.linear_bias else 0)
+        replicated = norms + (2 * h if self.linear_bias else 0) + duplicated
         set_ = object.__setattr__
         set_(self, "head_dim_value", head_dim)
         set_(self, "q_size", q_size)
         set_(self, "kv_size", kv_size)
+        set_(self, "v_size", v_size)
         set_(self, "attention_params_per_layer", attn)
         set_(self, "mlp_params_per_layer", mlp)
         set_(self, "norm_params_per_layer", norms)
@@ -231,19 +307,45 @@ class ModelSpec:
         return self.moe_layers * self.moe.experts * self.expert_params_per_moe_layer \
             if self.moe is not None else 0
 
+    def attention_pair_flops(self) -> int:
+        """Forward FLOPs of one query attending to one key in one layer: QK^T over the
+        query/key head width and AV over the value head width, every head (4 x q_size for
+        standard attention)."""
+        return 2 * (self.q_size + self.v_size)
+
     def attention_flops_per_token(self, context_tokens: float) -> float:
         """Forward FLOPs per token for QK^T and AV over ``context_tokens`` keys, all layers."""
-        return 4.0 * self.layers * self.q_size * context_tokens
+        return float(self.layers * self.attention_pair_flops()) * context_tokens
+
+    def decode_attention_flops_per_cached_token(self, tp: int) -> float:
+        """Forward FLOPs of one decoding query against one cached token in one layer, on one
+        of ``tp`` ranks. Multi-head latent attention decodes in the absorbed form (vLLM's MLA
+        backends, DeepSeek-V2 report §2.1.2): each head scores the latent and rotary key
+        (``kv_lora_rank + qk_rope_head_dim``) and sums the latents (``kv_lora_rank``)."""
+        if self.mla is None:
+            return self.attention_pair_flops() / tp
+        return 2.0 * self.heads / tp * (self.mla.latent_width + self.mla.kv_lora_rank)
+
+    def kv_cache_elements_per_token_per_layer(self, tp: int) -> int:
+        """Elements a generation engine caches per token and layer on one of ``tp`` ranks:
+        K and V of the rank's key/value heads (replicated when tp exceeds them), or for
+        multi-head latent attention the latent and rotary key, whole on every rank (vLLM
+        caches MLA as one head: vllm/config/model.py get_num_kv_heads, v0.32.0)."""
+        if self.mla is not None:
+            return self.mla.latent_width
+        return 2 * math.ceil(self.kv_heads / tp) * self.head_dim_value
 
     def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes of K and V cached per token across all layers (unsharded)."""
-        return 2 * self.layers * self.kv_size * dtype_bytes
+        """Bytes cached per token across all layers (unsharded)."""
+        return self.layers * self.kv_cache_elements_per_token_per_layer(1) * dtype_bytes
 
     def describe(self) -> str:
         size = f"{_count_text(self.param_count)} params"
         if self.moe is not None:
             size += (f", {_count_text(self.active_param_count)} active, "
                      f"{self.moe.experts} experts top-{self.moe.top_k}")
+        if self.mla is not None:
+            size += f", latent attention {self.mla.kv_lora_rank}"
         return f"{self.name} ({size}, {self.layers} layers, hidden {self.hidden})"
 
 
@@ -254,7 +356,7 @@ def _count_text(count: int) -> str:
 
 _IDENTITY_FIELDS = ("name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "mlp",
                     "tied_embeddings", "head_dim", "qkv_bias", "linear_bias", "norm", "dropout",
-                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps", "moe")
+                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps", "moe", "mla")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,16 +380,26 @@ def _hf_number(config: dict[str, Any], key: str, source: str) -> float:
     return float(value)
 
 
-_HF_MODEL_TYPES_UNTIED = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma"}
+_HF_MODEL_TYPES_UNTIED = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma",
+                          "deepseek_v2", "deepseek_v3"}
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "mixtral", "qwen2_moe",
-                  "qwen3_moe")
+                  "qwen3_moe", "deepseek_v2", "deepseek_v3")
 """Hugging Face ``model_type`` values read here: decoder-only transformers with grouped-query
-attention and a dense or mixture-of-experts MLP. DeepSeek-V2/V3 (``deepseek_v3``) attend with
-multi-head latent attention, whose low-rank projections are not modelled (their MoE keys are
-read by ``hf_moe``); state-space (mamba) and encoder-decoder models have other layers."""
+attention (or DeepSeek-V2/V3's multi-head latent attention) and a dense or mixture-of-experts
+MLP. State-space (mamba) and encoder-decoder models have other layers."""
 
 _HF_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def hf_mla(config: dict[str, Any], source: str) -> dict[str, int]:
+    """The ``mla:`` mapping from a DeepSeek-V2/V3 config (``kv_lora_rank``, ``q_lora_rank``
+    (null: no query latent), ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``)."""
+    fields = {key: _hf_int(config, (key,), source) for key in (
+        "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    if config.get("q_lora_rank") is not None:
+        fields["q_lora_rank"] = _hf_int(config, ("q_lora_rank",), source)
+    return fields
 
 
 def hf_moe(config: dict[str, Any], source: str) -> MoESpec | None:
@@ -314,7 +426,8 @@ def hf_moe(config: dict[str, Any], source: str) -> MoESpec | None:
             config, ("shared_expert_intermediate_size",), source)
     if config.get("first_k_dense_replace"):
         fields["first_dense_layers"] = _hf_int(config, ("first_k_dense_replace",), source)
-    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) not in (1, None):
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) not in (1, None) \
+            or config.get("moe_layer_freq", 1) not in (1, None):
         raise SpecError("dense layers between MoE layers are not modelled (only leading dense "
                         "layers: moe.first_dense_layers)", key="mlp_only_layers", source=source)
     return from_mapping(MoESpec, fields, source=source, key_prefix="moe")
@@ -331,11 +444,6 @@ def from_hf_config(path: str | Path) -> ModelSpec:
     source = str(path)
     config = read_mapping(path)
     model_type = str(config.get("model_type", ""))
-    if model_type in _HF_MLA_TYPES:
-        raise SpecError(f"model type {model_type!r} attends with multi-head latent attention "
-                        "(kv_lora_rank), which is not modelled: describe it as a spec .yaml "
-                        "with a moe: mapping (its experts are read as "
-                        f"{hf_moe(config, source)})", key="model_type", source=source)
     if model_type and model_type not in HF_MODEL_TYPES:
         raise SpecError(f"model type {model_type!r} is not modelled (dense decoder-only "
                         f"transformers: {', '.join(HF_MODEL_TYPES)})", key="model_type",
@@ -377,7 +485,12 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         if eps_key in config:
             fields["norm_eps"] = _hf_number(config, eps_key, source)
             break
-    if head_dim is not None:
+    if model_type in _HF_MLA_TYPES:
+        # The query/key head width follows from the latent dims; DeepSeek's multi-token
+        # prediction layers (num_nextn_predict_layers) are not part of the model trained here.
+        fields["mla"] = hf_mla(config, source)
+        fields["kv_heads"] = heads
+    elif head_dim is not None:
         fields["head_dim"] = head_dim
     moe = hf_moe(config, source)
     if moe is not None:

@@ -15,6 +15,30 @@ from typing import Literal
 from profiles.datafile import SpecError, require
 from simulator.specs.model import ModelSpec
 
+
+def stage_layers(layers: int, stages: int) -> int:
+    """Layers of the heaviest of ``stages`` pipeline stages: ceil(layers / stages). When the
+    stages do not divide the layers the split is as even as it can be, which Megatron
+    expresses with decoder_first/last_pipeline_num_layers (or pipeline_model_parallel_layout)
+    and vLLM with VLLM_PP_LAYER_PARTITION; the heaviest stage paces the pipeline and sets
+    its memory."""
+    return -(-layers // stages)
+
+
+def outer_stage_layers(layers: int, pp: int) -> tuple[int, int] | None:
+    """(first, last) stage layer counts that cut ``layers`` into ``pp`` stages whose middle
+    ones hold ``stage_layers`` each, as Megatron's num_layers_in_first/last_pipeline_stage
+    take them (the rest must split evenly over the middle stages); None when the stages are
+    even, or when the outer stages would be left without a layer."""
+    if pp == 1 or layers % pp == 0:
+        return None
+    middle = stage_layers(layers, pp)
+    outer = layers - (pp - 2) * middle
+    if outer < 2:
+        return None
+    first = min(middle, outer - 1)
+    return first, outer - first
+
 Sharding = Literal["none", "optimizer", "fsdp"]
 Recompute = Literal["none", "selective", "full"]
 Dispatcher = Literal["alltoall", "flex"]
@@ -126,10 +150,7 @@ class ParallelConfig:
         if model.heads % self.tp:
             raise SpecError(f"tp={self.tp} does not divide the {model.heads} attention heads of "
                             f"{model.name}", key=f"{prefix}tp")
-        stages = self.pp * self.vpp
-        if model.layers % stages:
-            raise SpecError(f"pp*vpp={stages} does not divide the {model.layers} layers of "
-                            f"{model.name}", key=f"{prefix}{'vpp' if self.vpp > 1 else 'pp'}")
+        check_pipeline_stages(model, self.pp, self.vpp, key=prefix.rstrip("."))
 
     def short(self) -> str:
         """A compact label like 'pp1-tp4-dp2' (with '-fsdp' / '-zero1')."""
@@ -240,9 +261,21 @@ class GenerationConfig:
         if model.heads % self.tp:
             raise SpecError(f"tp={self.tp} does not divide the {model.heads} attention heads",
                             key=f"{key}.tp")
-        if model.layers % self.pp:
-            raise SpecError(f"pp={self.pp} does not divide the {model.layers} layers",
-                            key=f"{key}.pp")
+        check_pipeline_stages(model, self.pp, 1, key=key)
 
     def short(self) -> str:
         return f"gen-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+
+
+def check_pipeline_stages(model: ModelSpec, pp: int, vpp: int, *, key: str) -> None:
+    """Raise SpecError unless ``model``'s layers can be cut into ``pp`` stages (of
+    ``vpp`` interleaved chunks each): at least one layer per stage; stages of unequal
+    layer counts only without interleaving (the interleaved schedule runs equal chunks)."""
+    prefix = f"{key}." if key else ""
+    if pp > model.layers:
+        raise SpecError(f"pp={pp} is more stages than the {model.layers} layers of "
+                        f"{model.name}", key=f"{prefix}pp")
+    if vpp > 1 and model.layers % (pp * vpp):
+        raise SpecError(f"pp*vpp={pp * vpp} does not divide the {model.layers} layers of "
+                        f"{model.name} (interleaved stages hold equal chunks)",
+                        key=f"{prefix}vpp")

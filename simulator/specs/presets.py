@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from simulator.specs.model import ModelSpec, MoESpec
+from simulator.specs.model import MLASpec, ModelSpec, MoESpec
 
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int,
@@ -85,6 +85,20 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                                  vocab=151936, mlp="swiglu", tied_embeddings=False,
                                  max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
                                  moe=MoESpec(experts=128, top_k=8, expert_ffn_hidden=1536)),
+    # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers (the first 3
+    # dense, intermediate 18432), hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512,
+    # qk_nope/rope/v head dims 128/64/128, 256 routed experts (top 8, moe_intermediate_size
+    # 2048) and 1 shared, vocab 129280, untied; 671B total, 37B activated (DeepSeek-V3
+    # technical report, arXiv 2412.19437 §4.2). The multi-token-prediction module
+    # (num_nextn_predict_layers 1, 14B more) is left out, as RLHF trains without it.
+    "deepseek-v3": ModelSpec(name="deepseek-v3", layers=61, hidden=7168, ffn_hidden=18432,
+                             heads=128, kv_heads=128, vocab=129280, mlp="swiglu",
+                             tied_embeddings=False, max_seq_len=163840, norm_eps=1e-6,
+                             mla=MLASpec(q_lora_rank=1536, kv_lora_rank=512,
+                                         qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                         v_head_dim=128),
+                             moe=MoESpec(experts=256, top_k=8, expert_ffn_hidden=2048,
+                                         shared_experts=1, first_dense_layers=3)),
     # huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json (num_local_experts 8,
     # num_experts_per_tok 2, intermediate_size 14336; 46.7B total, 12.9B active per token).
     "mixtral-8x7b": ModelSpec(name="mixtral-8x7b", layers=32, hidden=4096, ffn_hidden=14336,
