@@ -68,6 +68,23 @@ class TrainingSettings:
     grad_reduce_in_fp32: bool = True
     """Megatron-style training keeps (and reduces) its main gradients in fp32; false: in the
     training dtype (half the gradient memory and traffic)."""
+    sequence_packing: bool = False
+    """Training and the log-prob passes pack sequences into bins of (longest sequence x
+    micro-batch size) tokens, one bin per micro-batch (NeMo-RL's sequence_packing): bins
+    filled first-fit-decreasing, dealt round-robin to the data-parallel ranks (the busiest
+    paces the step) and, with pipeline parallelism, each padded to its rank's longest bin
+    (``simulator/packing.py``). False: micro-batches of ``micro_batch_size`` sequences."""
+    logprob_forward_bytes_per_vocab_entry: float = 12.0
+    """HBM bytes per token and vocabulary entry of computing log-probs over the full
+    vocabulary in a forward pass (a fused fp32 log-softmax: read the logits, write the
+    probabilities, a few passes, 3 x 4 bytes)."""
+    logprob_backward_bytes_per_vocab_entry: float = 24.0
+    """The same in the training backward (twice the forward's fused passes)."""
+    loss_per_packed_sequence: bool = False
+    """With sequence packing, the loss runs once per sequence of a bin on a slice of the bin's
+    fp32 logits: each slice's backward materialises a zero-filled gradient of the whole bin's
+    logits and the k gradients are summed, (16k - 4) more bytes per token and vocabulary entry
+    for k sequences per bin."""
     reference_weights: Literal["gpu", "host_swap"] = "gpu"
     """gpu: the reference model is a model of its own, resident on its GPUs; host_swap: its
     weights live in host memory and are swapped into the actor's model for the reference pass

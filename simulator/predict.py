@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from profiles.datafile import SpecError
 from profiles.device import DTYPE_BYTES, HOST_PAGE_BYTES, DeviceProfile
-from profiles.framework import HostCopy
+from profiles.framework import HostCopy, TrainingSettings
 from simulator.costs.generation import (
     ReplicaBatch,
     generate,
@@ -23,6 +23,7 @@ from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_st
 from simulator.costs.transfer import transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
+from simulator.packing import PackedBatch, batch_lengths, bin_capacity_tokens, pack_batch
 from simulator.plan import Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, Node
@@ -384,16 +385,21 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                     "replicas": float(replicas),
                     "generated_tokens_per_replica": float(cost.generated_tokens)},
             feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
+    training = job.framework_profile.training
     if node.operation == "infer":
+        packed = packed_batch(job, par, sequences=math.ceil(sequences),
+                              micro_batch_size=work.infer_micro_batch_size)
         cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
                             seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
-                            dtype=dtype, value_head=value_head, gpus_per_node=gpn)
+                            dtype=dtype, value_head=value_head, gpus_per_node=gpn,
+                            packed=packed,
+                            logprob_bytes=training.logprob_forward_bytes_per_vocab_entry)
         activations = cost.activations_bytes
-        if max_tokens != mean_tokens:
+        if max_tokens != mean_tokens or packed is not None:
             activations = forward_pass(
                 model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
                 micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
-                gpus_per_node=gpn).activations_bytes
+                gpus_per_node=gpn, packed=full_bin(packed)).activations_bytes
         fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
                  + profile.overheads.operation_seconds)
         swap = reference_swap_seconds(job, par) if (
@@ -412,14 +418,17 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     if node.pretrain_loss:
         batch *= 2  # as many pretraining (ptx) sequences as RL sequences
     grad_bytes = grad_bytes_per_param(job, par)
+    packed = packed_batch(job, par, sequences=batch, micro_batch_size=par.micro_batch_size)
     step = train_step(model, profile, par, global_batch=batch, seq_len=mean_tokens,
                       dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                      grad_bytes=grad_bytes)
+                      grad_bytes=grad_bytes, packed=packed,
+                      logprob_bytes=loss_bytes_per_vocab_entry(training, packed))
     activations = step.memory.activations
-    if max_tokens != mean_tokens:
+    if max_tokens != mean_tokens or packed is not None:
         activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,
                                  dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                                 grad_bytes=grad_bytes).memory.activations
+                                 grad_bytes=grad_bytes,
+                                 packed=full_bin(packed)).memory.activations
     fixed_costs = job.framework_profile.fixed_costs
     step_seconds = (step.seconds + fixed_costs.optimizer_step_seconds
                     + fixed_costs.micro_batch_seconds * step.micro_batches)
@@ -433,6 +442,41 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         sequences=sequences * work.ppo_epochs,
         tokens=tokens * work.ppo_epochs,
         transient=MemoryBreakdown(grads=freed_grads, activations=activations), detail=detail)
+
+
+def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
+                 micro_batch_size: int) -> PackedBatch | None:
+    """The busiest data-parallel rank's micro-batches when the framework packs sequences
+    (``sequence_packing``): the batch's stratified prompt + response lengths packed into bins
+    of the longest sequence x ``micro_batch_size`` tokens; None when it does not pack."""
+    if not job.framework_profile.training.sequence_packing:
+        return None
+    work = job.workload
+    lengths = batch_lengths(work.response_length.sample(sequences), work.prompt_length)
+    return pack_batch(lengths,
+                      capacity_tokens=bin_capacity_tokens(work.max_sequence_tokens,
+                                                          micro_batch_size),
+                      data_parallel=par.dp, pad_to_longest_bin=par.pp > 1)
+
+
+def loss_bytes_per_vocab_entry(training: TrainingSettings,
+                               packed: PackedBatch | None) -> tuple[float, float]:
+    """(forward, backward) memory traffic of the training loss's log-probs per token and
+    vocabulary entry: the framework's, plus in the backward the per-sequence logit slices of a
+    packed bin when its loss runs sequence by sequence."""
+    backward = training.logprob_backward_bytes_per_vocab_entry
+    if packed is not None and training.loss_per_packed_sequence:
+        backward += 16 * packed.sequences_per_micro_batch - 4
+    return training.logprob_forward_bytes_per_vocab_entry, backward
+
+
+def full_bin(packed: PackedBatch | None) -> PackedBatch | None:
+    """The largest micro-batch a packed run can meet, for its memory: one bin filled to the
+    capacity (at most its own rank's tokens if fewer)."""
+    if packed is None:
+        return None
+    return replace(packed, sequences_per_micro_batch=1.0,
+                   tokens_per_sequence=packed.capacity_tokens)
 
 
 def edge_seconds(job: JobSpec, producer: Node, producer_location: int,

@@ -12,6 +12,7 @@ from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
 from simulator.costs.training import data_parallel_span, expert_parallel_span
 from simulator.costs.transformer import (
+    LOSS_BYTES_PER_VOCAB_ENTRY,
     AttentionImpl,
     embedding_seconds,
     head_forward_seconds,
@@ -19,6 +20,7 @@ from simulator.costs.transformer import (
     stage_param_count,
     vocab_parallel_seconds,
 )
+from simulator.packing import PackedBatch
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig, stage_layers
 
@@ -39,12 +41,19 @@ class InferenceCost:
 def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                  sequences: int, seq_len: float, micro_batch: int, dtype: str = "bf16",
                  value_head: bool = False, gpus_per_node: int = 8,
-                 attention: AttentionImpl = "flash") -> InferenceCost:
+                 attention: AttentionImpl = "flash",
+                 packed: PackedBatch | None = None,
+                 logprob_bytes: float = LOSS_BYTES_PER_VOCAB_ENTRY) -> InferenceCost:
     """Forward ``sequences`` sequences of ``seq_len`` tokens through the model laid out as
-    ``par``; the data-parallel ranks split the sequences."""
+    ``par``; the data-parallel ranks split the sequences (with ``packed``, the busiest rank
+    runs its packed micro-batches instead; ``logprob_bytes``: the log-prob pass's memory traffic
+    per token and vocabulary entry)."""
     per_rank = math.ceil(sequences / par.dp)
-    mbs = max(1, min(micro_batch, per_rank))
+    mbs: float = max(1, min(micro_batch, per_rank))
     micro_batches = max(1, math.ceil(per_rank / mbs))
+    if packed is not None:
+        mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
+        micro_batches = packed.micro_batches
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -69,7 +78,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
         stage += model.layers * profile.overheads.fsdp_unit_seconds
     first = embedding_seconds(model, profile, tokens=tokens, dtype=dtype) * compute_scale
     last = head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
-                                value_head=value_head, loss=True) * compute_scale
+                                value_head=value_head, loss=True,
+                                loss_bytes_per_entry=logprob_bytes) * compute_scale
     vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
                                         value_head=value_head,
                                         sequence_parallel=par.sequence_parallel,

@@ -22,6 +22,7 @@ from simulator.costs.primitives import (
     reduce_scatter_seconds,
 )
 from simulator.costs.transformer import (
+    LOSS_BYTES_PER_VOCAB_ENTRY,
     AttentionImpl,
     embedding_seconds,
     head_forward_seconds,
@@ -30,6 +31,7 @@ from simulator.costs.transformer import (
     stage_param_count,
     vocab_parallel_seconds,
 )
+from simulator.packing import PackedBatch
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig, stage_layers
 
@@ -148,12 +150,22 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                global_batch: int, seq_len: float, dtype: str = "bf16",
                value_head: bool = False, gpus_per_node: int = 8,
                attention: AttentionImpl = "flash",
-               grad_bytes: int = MAIN_GRAD_BYTES) -> TrainingCost:
+               grad_bytes: int = MAIN_GRAD_BYTES,
+               packed: PackedBatch | None = None,
+               logprob_bytes: tuple[float, float] = (LOSS_BYTES_PER_VOCAB_ENTRY,
+                                                     2 * LOSS_BYTES_PER_VOCAB_ENTRY)
+               ) -> TrainingCost:
     """One optimizer step on ``global_batch`` sequences of ``seq_len`` tokens
-    (``grad_bytes``: as in ``optimizer_memory``)."""
+    (``grad_bytes``: as in ``optimizer_memory``); with ``packed``, the busiest data-parallel
+    rank's packed micro-batches instead of ``micro_batch_size`` sequences each;
+    ``logprob_bytes``: memory traffic of the loss's log-probs per token and vocabulary entry,
+    forward and backward)."""
     b = DTYPE_BYTES[dtype]
-    mbs = par.micro_batch_size
+    mbs: float = par.micro_batch_size
     micro_batches = max(1, math.ceil(global_batch / (par.dp * mbs)))
+    if packed is not None:
+        mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
+        micro_batches = packed.micro_batches
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -180,8 +192,15 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \
         * compute_scale
-    last_extra = 3 * head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
-                                          value_head=value_head, loss=True) * compute_scale
+    # The head's GEMM forward and its two backward GEMMs, with the loss's log-prob traffic.
+    loss_forward, loss_backward = logprob_bytes
+    last_extra = (head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
+                                       value_head=value_head, loss=True,
+                                       loss_bytes_per_entry=loss_forward)
+                  + 2 * head_forward_seconds(model, profile, tokens=tokens, tp=par.tp,
+                                             dtype=dtype, value_head=value_head, loss=True,
+                                             loss_bytes_per_entry=loss_backward / 2)
+                  ) * compute_scale
     # The vocabulary-split embedding and log-softmax collectives of the forward pass (their
     # backward needs none).
     vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,

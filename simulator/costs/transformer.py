@@ -357,15 +357,22 @@ def flex_dispatch_seconds(profile: DeviceProfile, moe: MoESpec, *, tokens: float
                             inter / max(1, span.nodes - 1), span)
 
 
+LOSS_BYTES_PER_VOCAB_ENTRY = 3 * 4
+"""HBM bytes per token and vocabulary entry of a fused fp32 softmax / log-prob pass: read the
+logits, write the probabilities, a few passes (3 x 4 bytes; a framework profile may say its
+own, ``training.logprob_forward_bytes_per_vocab_entry``)."""
+
+
 def head_forward_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
-                         dtype: str, value_head: bool, loss: bool) -> float:
+                         dtype: str, value_head: bool, loss: bool,
+                         loss_bytes_per_entry: float = LOSS_BYTES_PER_VOCAB_ENTRY) -> float:
     """Output projection (LM head or value head) plus, with ``loss``, the fp32 softmax /
-    log-prob pass over the vocabulary shard."""
+    log-prob pass over the vocabulary shard (``loss_bytes_per_entry`` bytes of memory traffic
+    per token and vocabulary entry)."""
     width = model.head_output_size(value_head=value_head) / (1 if value_head else tp)
     seconds = gemm_seconds(profile, tokens, width, model.hidden, dtype)
     if loss and not value_head:
-        # Cross-entropy / log-softmax in fp32: read logits, write probabilities, a few passes.
-        seconds += memory_seconds(profile, 3 * 4 * tokens * width, kernels=3)
+        seconds += memory_seconds(profile, loss_bytes_per_entry * tokens * width, kernels=3)
     return seconds
 
 

@@ -1,0 +1,93 @@
+"""Sequence packing: how a framework that packs sequences into token bins (NeMo-RL's
+``sequence_packing``) cuts a batch into micro-batches, simulated on the batch's own lengths.
+
+The batch is the job's deterministic stratified sample of prompt + response lengths. Each
+data-parallel shard of it is packed first-fit-decreasing into bins of ``capacity_tokens``
+(a bin is one micro-batch: a packed sequence of several responses, attention kept within
+each); bins are dealt round-robin to the data-parallel ranks; the step waits for the rank with
+the most work. With pipeline parallelism every bin of a rank is padded to that rank's longest
+bin (the pipeline exchanges fixed-size activations). The result is what the cost models need:
+how many micro-batches the busiest rank runs, how many sequences each holds and how many tokens
+each sequence then stands for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """The busiest data-parallel rank's micro-batches under sequence packing."""
+
+    micro_batches: int
+    """Bins (micro-batches) the busiest rank runs."""
+    sequences_per_micro_batch: float
+    """Mean sequences in one of its bins."""
+    tokens_per_sequence: float
+    """Mean tokens of one of its sequences, the padding of its bins included."""
+    capacity_tokens: int
+    """Tokens a bin holds at most."""
+
+    @property
+    def tokens_per_micro_batch(self) -> float:
+        return self.sequences_per_micro_batch * self.tokens_per_sequence
+
+
+def first_fit_decreasing(lengths: tuple[int, ...], capacity_tokens: int) -> list[list[int]]:
+    """Bins of at most ``capacity_tokens`` tokens, filled longest first into the first bin
+    with room (a sequence longer than the capacity gets a bin of its own)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        for index, free in enumerate(room):
+            if length <= free:
+                bins[index].append(length)
+                room[index] -= length
+                break
+        else:
+            bins.append([length])
+            room.append(capacity_tokens - length)
+    return bins
+
+
+@lru_cache(maxsize=4096)
+def pack_batch(lengths: tuple[int, ...], *, capacity_tokens: int, data_parallel: int,
+               pad_to_longest_bin: bool) -> PackedBatch:
+    """Pack ``lengths`` (one batch's sequences, in tokens) into bins of ``capacity_tokens``,
+    deal the bins round-robin to ``data_parallel`` ranks and describe the busiest rank's
+    micro-batches (``pad_to_longest_bin``: each of a rank's bins padded to its longest)."""
+    if not lengths:
+        return PackedBatch(micro_batches=1, sequences_per_micro_batch=0.0,
+                           tokens_per_sequence=0.0, capacity_tokens=capacity_tokens)
+    bins = first_fit_decreasing(lengths, capacity_tokens)
+    ranks: list[list[list[int]]] = [[] for _ in range(data_parallel)]
+    for index, packed in enumerate(bins):
+        ranks[index % data_parallel].append(packed)
+
+    def work(rank_bins: list[list[int]]) -> float:
+        if not rank_bins:
+            return 0.0
+        if pad_to_longest_bin:
+            return len(rank_bins) * max(sum(b) for b in rank_bins)
+        return float(sum(sum(b) for b in rank_bins))
+
+    busiest = max(ranks, key=lambda rank_bins: (work(rank_bins), len(rank_bins)))
+    sequences = sum(len(b) for b in busiest)
+    tokens = work(busiest)
+    return PackedBatch(micro_batches=max(1, len(busiest)),
+                       sequences_per_micro_batch=sequences / max(1, len(busiest)),
+                       tokens_per_sequence=tokens / max(1, sequences),
+                       capacity_tokens=capacity_tokens)
+
+
+def bin_capacity_tokens(max_sequence_tokens: int, micro_batch_size: int) -> int:
+    """A bin's capacity: the longest sequence times the micro-batch size in sequences (NeMo-RL's
+    ``train_mb_tokens`` and ``logprob_mb_tokens``)."""
+    return max(1, max_sequence_tokens * max(1, micro_batch_size))
+
+
+def batch_lengths(response_lengths: tuple[int, ...], prompt_tokens: int) -> tuple[int, ...]:
+    """Prompt + response token counts of a batch."""
+    return tuple(prompt_tokens + r for r in response_lengths)
