@@ -303,6 +303,8 @@ class Search:
                  progress: Callable[[int, int, SearchStats], None] | None = None):
         self.job = job
         self.options = options or SearchOptions()
+        if self.options.space.backend != "simulated":
+            check_executable_models(job)
         self.progress = progress
         self.stats = SearchStats()
         self.pools = job.cluster.pools()
@@ -805,3 +807,14 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
         if best is None or candidate.sort_key() < best.sort_key():
             best = candidate
     return best
+
+
+def check_executable_models(job: JobSpec) -> None:
+    """Raise SpecError naming the model if no executor backend runs it, so a search meant
+    for execution (any backend but ``simulated``) says so instead of planning it."""
+    for role in job.gpu_roles:
+        model = job.model(role)
+        if model.mla is not None:
+            raise SpecError(f"{model.name} attends with multi-head latent attention, which no "
+                            "executor backend here runs: plan it as a study with --backend "
+                            "simulated", key=f"models.{role}")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from simulator.plan import RolePlan, megatron_installed, torch_runs
 from simulator.specs.job import JobSpec
-from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.parallel import GenerationConfig, ParallelConfig, outer_stage_layers
 
 Backend = Literal["any", "megatron", "fsdp", "simulated"]
 """Which layouts to search:
@@ -125,8 +125,10 @@ def _divisors(n: int) -> list[int]:
 def pipeline_sizes(layers: int) -> list[int]:
     """Pipeline sizes to search for a model of ``layers`` layers: those dividing the layers
     and the powers of two up to them (stages of unequal layer counts, the heaviest pacing the
-    pipeline: DeepSeek-V3's 61 layers, Qwen3-235B's 94)."""
-    return sorted(set(_divisors(layers)) | set(_powers_of_two(layers)))
+    pipeline: DeepSeek-V3's 61 layers, Qwen3-235B's 94), when Megatron's first/last stage sizes
+    can cut them (none of the outer stages left empty)."""
+    return sorted(set(_divisors(layers)) | {p for p in _powers_of_two(layers)
+                                            if outer_stage_layers(layers, p) is not None})
 
 
 def role_configs(job: JobSpec, role: str, gpus: int,
@@ -256,7 +258,10 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 shards = gpus if sharding == "fsdp" else max(tp, ep * etp) * pp
                 gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
                     p for p in _divisors(pp if sharding != "fsdp" else 1)
-                    if p <= model.layers and (p == 1 or generation_pipelines)]
+                    if p <= model.layers and (p == 1 or generation_pipelines)
+                    # Uneven training stages group into generation stages vLLM would cut
+                    # otherwise (61 on 8 x 2: 32/29, vLLM 31/30): such an engine runs whole.
+                    and (p == 1 or model.layers % pp == 0)]
                 for gen_tp in _powers_of_two(min(gpn, shards)):
                     if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
                         continue

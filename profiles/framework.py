@@ -91,6 +91,11 @@ class TrainingSettings:
     (the actor's weights go to host and come back), so a reference colocated with the actor
     holds no GPU memory and its pass runs in the actor's layout."""
 
+    def __post_init__(self) -> None:
+        for name in ("logprob_forward_bytes_per_vocab_entry",
+                     "logprob_backward_bytes_per_vocab_entry"):
+            require(getattr(self, name) >= 0, "must be >= 0", name)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RolloutSettings:

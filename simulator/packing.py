@@ -1,12 +1,15 @@
 """Sequence packing: how a framework that packs sequences into token bins (NeMo-RL's
 ``sequence_packing``) cuts a batch into micro-batches, simulated on the batch's own lengths.
 
-The batch is the job's deterministic stratified sample of prompt + response lengths. Each
-data-parallel shard of it is packed first-fit-decreasing into bins of ``capacity_tokens``
-(a bin is one micro-batch: a packed sequence of several responses, attention kept within
-each); bins are dealt round-robin to the data-parallel ranks; the step waits for the rank with
-the most work. With pipeline parallelism every bin of a rank is padded to that rank's longest
-bin (the pipeline exchanges fixed-size activations). The result is what the cost models need:
+The batch is the job's deterministic stratified sample of prompt + response lengths. It is
+packed first-fit-decreasing into bins of ``capacity_tokens`` (a bin is one micro-batch: a
+packed sequence of several responses, attention kept within each; NeMo-RL's modified
+first-fit-decreasing fills bins alike); the bins are dealt round-robin to the data-parallel
+ranks; the step waits for the rank with the most work. With pipeline parallelism every bin of
+a rank is padded to that rank's longest bin (the pipeline exchanges fixed-size activations).
+Not modelled: NeMo-RL v0.5+ splitting bins until every rank has as many (min_bin_count,
+bin_count_multiple), and the padding of each sequence to a multiple of tp under sequence
+parallelism (a few tokens). The result is what the cost models need:
 how many micro-batches the busiest rank runs, how many sequences each holds and how many tokens
 each sequence then stands for.
 """
@@ -29,6 +32,8 @@ class PackedBatch:
     """Mean tokens of one of its sequences, the padding of its bins included."""
     capacity_tokens: int
     """Tokens a bin holds at most."""
+    largest_bin_tokens: int
+    """Tokens of the fullest bin of any rank (what a micro-batch's memory must hold)."""
 
     @property
     def tokens_per_micro_batch(self) -> float:
@@ -60,7 +65,8 @@ def pack_batch(lengths: tuple[int, ...], *, capacity_tokens: int, data_parallel:
     micro-batches (``pad_to_longest_bin``: each of a rank's bins padded to its longest)."""
     if not lengths:
         return PackedBatch(micro_batches=1, sequences_per_micro_batch=0.0,
-                           tokens_per_sequence=0.0, capacity_tokens=capacity_tokens)
+                           tokens_per_sequence=0.0, capacity_tokens=capacity_tokens,
+                           largest_bin_tokens=0)
     bins = first_fit_decreasing(lengths, capacity_tokens)
     ranks: list[list[list[int]]] = [[] for _ in range(data_parallel)]
     for index, packed in enumerate(bins):
@@ -79,7 +85,8 @@ def pack_batch(lengths: tuple[int, ...], *, capacity_tokens: int, data_parallel:
     return PackedBatch(micro_batches=max(1, len(busiest)),
                        sequences_per_micro_batch=sequences / max(1, len(busiest)),
                        tokens_per_sequence=tokens / max(1, sequences),
-                       capacity_tokens=capacity_tokens)
+                       capacity_tokens=capacity_tokens,
+                       largest_bin_tokens=max(sum(b) for b in bins))
 
 
 def bin_capacity_tokens(max_sequence_tokens: int, micro_batch_size: int) -> int:

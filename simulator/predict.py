@@ -471,12 +471,12 @@ def loss_bytes_per_vocab_entry(training: TrainingSettings,
 
 
 def full_bin(packed: PackedBatch | None) -> PackedBatch | None:
-    """The largest micro-batch a packed run can meet, for its memory: one bin filled to the
-    capacity (at most its own rank's tokens if fewer)."""
+    """The largest micro-batch a packed run meets, for its memory: its fullest bin (as one
+    sequence: attention memory does not grow with it under flash attention)."""
     if packed is None:
         return None
     return replace(packed, sequences_per_micro_batch=1.0,
-                   tokens_per_sequence=packed.capacity_tokens)
+                   tokens_per_sequence=float(packed.largest_bin_tokens))
 
 
 def edge_seconds(job: JobSpec, producer: Node, producer_location: int,

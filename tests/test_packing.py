@@ -83,10 +83,17 @@ def test_only_a_packing_framework_packs():
 def test_packing_changes_the_micro_batches_of_training_and_log_probs(tmp_path):
     # The same framework without packing: micro-batches of whole sequences, one per training
     # micro-batch and four per log-prob micro-batch.
+    # Both with a fused log-softmax and one loss call per micro-batch, so that only the
+    # packing differs.
+    fused = ("logprob_forward_bytes_per_vocab_entry: 12, logprob_backward_bytes_per_vocab_entry"
+             ": 24, loss_per_packed_sequence: false")
+    (tmp_path / "packing.yaml").write_text(
+        f"base: nemo-rl\nname: packing\ntraining: {{{fused}}}\n")
     (tmp_path / "no-packing.yaml").write_text(
-        "base: nemo-rl\nname: no-packing\ntraining: {sequence_packing: false}\n")
-    packing = _job("nemo-rl")
+        f"base: nemo-rl\nname: no-packing\ntraining: {{sequence_packing: false, {fused}}}\n")
+    packing = dataclasses.replace(_job("nemo-rl"), framework=str(tmp_path / "packing.yaml"))
     plain = dataclasses.replace(packing, framework=str(tmp_path / "no-packing.yaml"))
+    assert packing.framework_profile.training.sequence_packing
     assert not plain.framework_profile.training.sequence_packing
 
     plan = plan_job(packing).best.plan
@@ -97,8 +104,23 @@ def test_packing_changes_the_micro_batches_of_training_and_log_probs(tmp_path):
     assert unpacked["actor.old_log_prob"].detail["micro_batches"] == 64
     assert 13 <= packed["actor.old_log_prob"].detail["micro_batches"] <= 17
     # Training runs the same tokens in fewer, larger micro-batches (bins of 4096 tokens instead
-    # of single ~922-token sequences): its GEMMs run at larger shapes.
-    assert packed["actor.train"].seconds != unpacked["actor.train"].seconds
+    # of single ~922-token sequences): its GEMMs run at larger, more efficient shapes, which
+    # outweighs the busiest rank's extra tokens here (one stage: no pipeline bubble).
+    assert packed["actor.train"].seconds < unpacked["actor.train"].seconds
+    # Memory: the fullest bin holds as many tokens as micro_batch_size longest sequences, so
+    # the activations to plan for are the same.
+    assert packed["actor.train"].transient.activations == pytest.approx(
+        unpacked["actor.train"].transient.activations, rel=0.01)
+
+
+def test_a_packed_micro_batch_holds_at_most_the_fullest_bin():
+    from simulator.predict import full_bin
+
+    # Two 1000-token sequences in bins of 16384 tokens: memory for 2000 tokens, not 16384.
+    packed = pack_batch((1000, 1000), capacity_tokens=16384, data_parallel=1,
+                        pad_to_longest_bin=False)
+    assert packed.largest_bin_tokens == 2000
+    assert full_bin(packed).tokens_per_micro_batch == 2000
 
 
 def test_nemo_rl_log_probs_cost_their_unfused_fp32_passes():

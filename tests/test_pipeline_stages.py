@@ -80,7 +80,8 @@ def test_uneven_stages_are_accepted_in_pins_and_generation():
 
 
 def test_the_search_offers_uneven_pipelines_to_the_simulator_only():
-    assert pipeline_sizes(61) == [1, 2, 4, 8, 16, 32, 61]
+    # 32 stages of 61 layers would leave Megatron's first or last stage empty.
+    assert pipeline_sizes(61) == [1, 2, 4, 8, 16, 61]
     assert pipeline_sizes(32) == [1, 2, 4, 8, 16, 32]
     job = job_from_mapping({
         "algorithm": "grpo", "models": {"actor": "deepseek-v3", "ref": "deepseek-v3",

@@ -22,7 +22,7 @@ from simulator.costs.primitives import (
     group_crosses_nodes,
     group_span,
 )
-from simulator.costs.transformer import head_forward_seconds, layer_cost
+from simulator.costs.transformer import head_forward_seconds, layer_cost, stage_param_count
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, stage_layers
@@ -176,22 +176,30 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
                       gpus_per_node: int) -> DecodeStepModel:
     b = DTYPE_BYTES[dtype]
     tp, pp = gen.tp, gen.pp
+    # The heaviest stage (for MoE a stage of MoE layers); latent attention's down projections
+    # are whole on every tensor-parallel rank (vLLM's ReplicatedLinear), the rest split.
     layers = stage_layers(model.layers, pp)
+    moe_layers = model.stage_moe_layers(layers)
     head = model.hidden * model.vocab / tp
-    weights = (layers * model.linear_params_per_layer() / tp + head) * b
-    expert_bytes = touch = 0.0
+    duplicated = layers * model.duplicated_linear_params_per_layer
+    linear = model.stage_active_linear_params(layers)
+    matmul_params = (linear - duplicated) / tp + duplicated + head
+    weights = matmul_params * b
+    expert_bytes = touch = expert_flops = 0.0
     if model.moe is not None:
         # The engine splits every expert over the tensor-parallel ranks (vLLM's default,
         # without --enable-expert-parallel); the active experts leave the dense part.
-        per_layer_active = model.moe_layers / model.layers * model.moe.top_k \
-            * model.expert_params_per_moe_layer
-        weights -= layers * per_layer_active / tp * b
+        active = moe_layers * model.moe.top_k * model.expert_params_per_moe_layer
+        weights -= active / tp * b
         # Spread over the tp ranks, or with expert-parallel serving over the ep group.
-        expert_bytes = layers * model.expert_params() / model.layers / max(tp, gen.ep) * b
+        expert_bytes = model.stage_expert_params(layers) / max(tp, gen.ep) * b
         touch = model.moe.top_k / model.moe.experts
+        # A token's top_k expert GEMMs (2 FLOPs per weight), on the GPUs holding the experts:
+        # split over tp, or whole experts on ep GPUs that serve ep / tp replicas' tokens.
+        expert_flops = 2 * active / max(tp, gen.ep)
     # KV heads are replicated when tp > kv_heads; an MLA latent is whole on every rank.
     kv_per_token = layers * model.kv_cache_elements_per_token_per_layer(tp) * b
-    matmul = 2 * (layers * model.linear_params_per_layer() / tp + head)
+    matmul = 2 * matmul_params
     attention = layers * model.decode_attention_flops_per_cached_token(tp)
     return DecodeStepModel(
         weight_bytes_per_gpu=weights,
@@ -208,26 +216,21 @@ def decode_step_model(model: ModelSpec, gen: GenerationConfig, dtype: str,
         expert_batch_multiplier=max(1.0, gen.ep / tp),
         expert_exchange_bytes_per_token=(model.moe.top_k * model.hidden * b / tp
                                          if model.moe is not None else 0.0),
-        moe_layers_per_stage=min(model.moe_layers, layers),
+        moe_layers_per_stage=moe_layers,
         ep=gen.ep,
         gpus_per_node=gpus_per_node,
-        # A token's top_k expert GEMMs (2 FLOPs per weight), on the GPUs holding the experts:
-        # split over tp, or whole experts on ep GPUs that serve ep / tp replicas' tokens.
-        expert_flops_per_token_per_gpu=(
-            2 * layers * model.moe_layers / model.layers * model.moe.top_k
-            * model.expert_params_per_moe_layer / max(tp, gen.ep)
-            if model.moe is not None else 0.0),
+        expert_flops_per_token_per_gpu=expert_flops,
         experts_per_gpu=(model.moe.experts / gen.ep if gen.ep > 1 else model.moe.experts)
         if model.moe is not None else 0.0,
     )
 
 
 def generation_weight_bytes(model: ModelSpec, gen: GenerationConfig, dtype: str) -> float:
-    """Per-GPU weights of the generation layout, M / (t_g * p_g); with expert-parallel serving
-    the routed experts are spread over ep GPUs instead."""
-    experts = model.expert_params()
-    return ((model.params() - experts) / (gen.tp * gen.pp)
-            + experts / (max(gen.tp, gen.ep) * gen.pp)) * DTYPE_BYTES[dtype]
+    """Per-GPU weights of the generation layout's heaviest stage: split over its t_g ranks
+    but for the norms and latent attention's down projections (whole on every rank); with
+    expert-parallel serving the routed experts spread over the ep GPUs instead."""
+    return stage_param_count(model, tp=gen.tp, pp=gen.pp, value_head=False,
+                             ep=max(gen.tp, gen.ep)) * DTYPE_BYTES[dtype]
 
 
 def workspace_bytes(model: ModelSpec, gen: GenerationConfig, dtype: str) -> float:

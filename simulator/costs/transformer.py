@@ -116,7 +116,10 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         score_elements = 0.0
     else:
         bmm_batch = micro_batch * heads_local
-        core_fwd = 2 * gemm_seconds(profile, seq_len * bmm_batch, seq_len, hd, dtype)
+        # Scores over the query/key head width, the weighted sum over the value head width.
+        v_hd = model.v_size // model.heads
+        core_fwd = (gemm_seconds(profile, seq_len * bmm_batch, seq_len, hd, dtype)
+                    + gemm_seconds(profile, seq_len * bmm_batch, seq_len, v_hd, dtype))
         core_bwd = 2 * core_fwd
         core_flops = pair_flops * micro_batch * seq_len * seq_len
         score_elements = micro_batch * heads_local * seq_len * seq_len
@@ -405,7 +408,7 @@ def embedding_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float
 def stage_expert_param_count(model: ModelSpec, *, pp: int, ep: int = 1, etp: int = 1) -> float:
     """Routed-expert parameters on one GPU of a pipeline stage (part of
     ``stage_param_count``): the stage's layers' experts split over the ep x etp ranks."""
-    return model.expert_params() / model.layers * stage_layers(model.layers, pp) / (ep * etp)
+    return model.stage_expert_params(stage_layers(model.layers, pp)) / (ep * etp)
 
 
 def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, ep: int = 1,
@@ -416,12 +419,15 @@ def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, e
     column-parallel biases; every tensor-parallel rank holds its own copy of the norms, the
     row-parallel biases, learned positions and a value head (Megatron's and DTensor's
     layouts alike)."""
-    replicated = model.replicated_params_per_layer
-    # MoE: the routed experts are split over the ep x etp ranks instead (Megatron's expert
-    # parallel layout); the router and shared experts follow tensor parallelism.
-    experts = model.expert_params() / model.layers
-    layers = stage_layers(model.layers, pp) * ((model.params_per_layer - replicated - experts) / tp
-                                  + experts / (ep * etp) + replicated)
+    # The heaviest stage's blocks (for MoE: a stage of MoE layers, the leading dense ones
+    # being on the first stage). Its routed experts are split over the ep x etp ranks
+    # (Megatron's expert parallel layout); the router and shared experts follow tensor
+    # parallelism; norms (and latent attention's down projections) are whole on every rank.
+    n = stage_layers(model.layers, pp)
+    replicated = n * model.replicated_params_per_layer
+    experts = model.stage_expert_params(n)
+    layers = ((model.stage_layer_params(n) - replicated - experts) / tp
+              + experts / (ep * etp) + replicated)
     embedding = model.vocab * model.hidden / tp + model.learned_positions * model.hidden
     if value_head:
         head = model.hidden + 1

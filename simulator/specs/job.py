@@ -376,7 +376,7 @@ class JobSpec:
             assert isinstance(model, ModelSpec)
             if MODEL_PRESETS.get(model.name) == model:
                 return model.name
-            return {f.name: getattr(model, f.name) for f in fields(model)
+            return {f.name: to_mapping(getattr(model, f.name)) for f in fields(model)
                     if f.init and getattr(model, f.name) != f.default}
 
         workload = to_mapping(self.workload)

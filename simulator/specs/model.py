@@ -164,6 +164,19 @@ class ModelSpec:
     """Weights of one routed expert's MLP (0 for a dense model)."""
     active_linear_params_per_layer: int = field(init=False, repr=False)
     """Mean over layers of the matrix weights one token goes through (FLOPs: 2 per weight)."""
+    attention_linear_params_per_layer: int = field(init=False, repr=False)
+    """Matrix weights of one layer's attention."""
+    duplicated_linear_params_per_layer: int = field(init=False, repr=False)
+    """Of those, the ones every tensor-parallel rank holds whole (latent attention's down
+    projections; 0 for standard attention)."""
+    dense_mlp_params_per_layer: int = field(init=False, repr=False)
+    """Weights of a dense layer's MLP (the leading dense layers of an MoE model)."""
+    dense_mlp_linear_params_per_layer: int = field(init=False, repr=False)
+    """Its matrix weights (no biases)."""
+    moe_mlp_params_per_layer: int = field(init=False, repr=False)
+    """Weights of an MoE layer's MLP: router, every routed expert, shared experts (0 dense)."""
+    active_moe_mlp_params_per_layer: int = field(init=False, repr=False)
+    """Of those, what one token goes through: router, top_k routed and the shared experts."""
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -270,6 +283,13 @@ class ModelSpec:
         set_(self, "moe_layers", moe_layers)
         set_(self, "expert_params_per_moe_layer", expert)
         set_(self, "active_linear_params_per_layer", active_linear)
+        set_(self, "attention_linear_params_per_layer", attn_linear)
+        set_(self, "duplicated_linear_params_per_layer",
+             h * (mla.q_lora_rank + mla.latent_width) if mla is not None else 0)
+        set_(self, "dense_mlp_params_per_layer", dense_mlp)
+        set_(self, "dense_mlp_linear_params_per_layer", mlp_mats * h * self.ffn_hidden)
+        set_(self, "moe_mlp_params_per_layer", moe_mlp)
+        set_(self, "active_moe_mlp_params_per_layer", active_moe_mlp)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
 
     # ----- derived quantities (one formula each) -----
@@ -296,6 +316,32 @@ class ModelSpec:
         an MoE token multiplies only its active experts' weights)."""
         head = self.hidden * self.head_output_size(value_head=value_head)
         return 2 * (self.layers * self.linear_params_per_layer() + head)
+
+    def stage_moe_layers(self, stage_layers: int) -> int:
+        """MoE layers of the heaviest pipeline stage of ``stage_layers`` layers: the leading
+        dense layers sit on the first stage, so a later stage is all MoE layers."""
+        return min(stage_layers, self.moe_layers)
+
+    def stage_layer_params(self, stage_layers: int) -> int:
+        """Weights of the transformer blocks of the heaviest stage of ``stage_layers``
+        layers (every routed expert included)."""
+        moe = self.stage_moe_layers(stage_layers)
+        return (stage_layers * (self.attention_params_per_layer + self.norm_params_per_layer)
+                + (stage_layers - moe) * self.dense_mlp_params_per_layer
+                + moe * self.moe_mlp_params_per_layer)
+
+    def stage_expert_params(self, stage_layers: int) -> int:
+        """Routed-expert weights of the heaviest stage of ``stage_layers`` layers."""
+        return self.stage_moe_layers(stage_layers) * self.moe.experts \
+            * self.expert_params_per_moe_layer if self.moe is not None else 0
+
+    def stage_active_linear_params(self, stage_layers: int) -> int:
+        """Matrix weights one token goes through in the heaviest stage of ``stage_layers``
+        layers (for MoE: the router, its top_k and the shared experts)."""
+        moe = self.stage_moe_layers(stage_layers)
+        return (stage_layers * self.attention_linear_params_per_layer
+                + (stage_layers - moe) * self.dense_mlp_linear_params_per_layer
+                + moe * self.active_moe_mlp_params_per_layer)
 
     @property
     def is_moe(self) -> bool:
@@ -426,10 +472,11 @@ def hf_moe(config: dict[str, Any], source: str) -> MoESpec | None:
             config, ("shared_expert_intermediate_size",), source)
     if config.get("first_k_dense_replace"):
         fields["first_dense_layers"] = _hf_int(config, ("first_k_dense_replace",), source)
-    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) not in (1, None) \
-            or config.get("moe_layer_freq", 1) not in (1, None):
+    interleaved = next((k for k in ("mlp_only_layers", "decoder_sparse_step", "moe_layer_freq")
+                        if config.get(k) not in (None, [], 1)), None)
+    if interleaved is not None:
         raise SpecError("dense layers between MoE layers are not modelled (only leading dense "
-                        "layers: moe.first_dense_layers)", key="mlp_only_layers", source=source)
+                        "layers: moe.first_dense_layers)", key=interleaved, source=source)
     return from_mapping(MoESpec, fields, source=source, key_prefix="moe")
 
 
