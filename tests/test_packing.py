@@ -10,6 +10,8 @@ import dataclasses
 import pytest
 
 from planner.planning import plan_job
+from planner.search import SearchOptions
+from planner.space import SpaceOptions
 from simulator.packing import first_fit_decreasing, pack_batch
 from simulator.predict import estimate_plan, packed_batch
 from simulator.specs.job import job_from_mapping
@@ -96,7 +98,8 @@ def test_packing_changes_the_micro_batches_of_training_and_log_probs(tmp_path):
     assert packing.framework_profile.training.sequence_packing
     assert not plain.framework_profile.training.sequence_packing
 
-    plan = plan_job(packing).best.plan
+    # Simulated layouts: the search does not depend on which executor engines are installed.
+    plan = plan_job(packing, SearchOptions(space=SpaceOptions(backend="simulated"))).best.plan
     packed = estimate_plan(packing, plan).nodes
     unpacked = estimate_plan(plain, plan).nodes
     # Log-probs: 256 sequences per rank in micro-batches of 4 (64) become ~15 bins of 16384
