@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from simulator.specs.lengths import LengthDistribution
+
 
 @dataclass(frozen=True, slots=True)
 class PackedBatch:
@@ -95,6 +97,12 @@ def bin_capacity_tokens(max_sequence_tokens: int, micro_batch_size: int) -> int:
     return max(1, max_sequence_tokens * max(1, micro_batch_size))
 
 
-def batch_lengths(response_lengths: tuple[int, ...], prompt_tokens: int) -> tuple[int, ...]:
-    """Prompt + response token counts of a batch."""
-    return tuple(prompt_tokens + r for r in response_lengths)
+@lru_cache(maxsize=4096)
+def pack_stratified_batch(response_length: LengthDistribution, sequences: int,
+                          prompt_tokens: int, *, capacity_tokens: int, data_parallel: int,
+                          pad_to_longest_bin: bool) -> PackedBatch:
+    """``pack_batch`` of a batch of ``sequences`` whose prompt + response lengths are the
+    stratified sample of ``response_length`` (cached: the search asks it for every config)."""
+    lengths = tuple(prompt_tokens + r for r in response_length.sample(sequences))
+    return pack_batch(lengths, capacity_tokens=capacity_tokens, data_parallel=data_parallel,
+                      pad_to_longest_bin=pad_to_longest_bin)

@@ -23,7 +23,7 @@ from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_st
 from simulator.costs.transfer import transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
-from simulator.packing import PackedBatch, batch_lengths, bin_capacity_tokens, pack_batch
+from simulator.packing import PackedBatch, bin_capacity_tokens, pack_stratified_batch
 from simulator.plan import Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, Node
@@ -452,11 +452,10 @@ def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
     if not job.framework_profile.training.sequence_packing:
         return None
     work = job.workload
-    lengths = batch_lengths(work.response_length.sample(sequences), work.prompt_length)
-    return pack_batch(lengths,
-                      capacity_tokens=bin_capacity_tokens(work.max_sequence_tokens,
-                                                          micro_batch_size),
-                      data_parallel=par.dp, pad_to_longest_bin=par.pp > 1)
+    return pack_stratified_batch(
+        work.response_length, sequences, work.prompt_length,
+        capacity_tokens=bin_capacity_tokens(work.max_sequence_tokens, micro_batch_size),
+        data_parallel=par.dp, pad_to_longest_bin=par.pp > 1)
 
 
 def loss_bytes_per_vocab_entry(training: TrainingSettings,

@@ -217,7 +217,7 @@ class ModelSpec:
             v_size = q_size
             attn_linear = 2 * h * q_size + 2 * h * kv_size
             attn = attn_linear
-            duplicated = 0
+            down = duplicated = 0
         else:
             kv_size = q_size
             v_size = self.heads * mla.v_head_dim
@@ -262,7 +262,8 @@ class ModelSpec:
         layer_total = self.layers * (attn + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp
         total = layer_total + embedding + lm_head + norm_vec * h
         active = total - moe_layers * (moe_mlp - active_moe_mlp)
-        active_linear = attn_linear + (dense_layers * mlp_mats * h * self.ffn_hidden
+        dense_mlp_linear = mlp_mats * h * self.ffn_hidden
+        active_linear = attn_linear + (dense_layers * dense_mlp_linear
                                        + moe_layers * active_moe_mlp) // self.layers
         replicated = norms + (2 * h if self.linear_bias else 0) + duplicated
         set_ = object.__setattr__
@@ -284,10 +285,9 @@ class ModelSpec:
         set_(self, "expert_params_per_moe_layer", expert)
         set_(self, "active_linear_params_per_layer", active_linear)
         set_(self, "attention_linear_params_per_layer", attn_linear)
-        set_(self, "duplicated_linear_params_per_layer",
-             h * (mla.q_lora_rank + mla.latent_width) if mla is not None else 0)
+        set_(self, "duplicated_linear_params_per_layer", down)
         set_(self, "dense_mlp_params_per_layer", dense_mlp)
-        set_(self, "dense_mlp_linear_params_per_layer", mlp_mats * h * self.ffn_hidden)
+        set_(self, "dense_mlp_linear_params_per_layer", dense_mlp_linear)
         set_(self, "moe_mlp_params_per_layer", moe_mlp)
         set_(self, "active_moe_mlp_params_per_layer", active_moe_mlp)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))

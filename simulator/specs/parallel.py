@@ -19,9 +19,9 @@ from simulator.specs.model import ModelSpec
 def stage_layers(layers: int, stages: int) -> int:
     """Layers of the heaviest of ``stages`` pipeline stages: ceil(layers / stages). When the
     stages do not divide the layers the split is as even as it can be, which Megatron
-    expresses with decoder_first/last_pipeline_num_layers (or pipeline_model_parallel_layout)
-    and vLLM with VLLM_PP_LAYER_PARTITION; the heaviest stage paces the pipeline and sets
-    its memory."""
+    expresses with num_layers_in_first/last_pipeline_stage (``outer_stage_layers``) and vLLM
+    with VLLM_PP_LAYER_PARTITION; the heaviest stage paces the pipeline and sets its
+    memory."""
     return -(-layers // stages)
 
 
