@@ -65,6 +65,7 @@ bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_simulator.py
 	$(BIN)/python benchmarks/bench_planner.py
 	$(BIN)/python benchmarks/bench_executor.py
+	$(BIN)/python benchmarks/bench_dispatch.py
 
 # Executor runs of a grid of plans (3 repeats each), calibration on some, prediction error on
 # the others; writes runs/accuracy/ only (the shipped profile changes with

@@ -5,7 +5,8 @@ profile (``profiles/frameworks/NAME.yaml``) says how a training system uses them
 it runs (the old-log-prob recompute), whether it overlaps gradient reduction, whether its
 rollout engine runs CUDA graphs or eager kernels, whether it frees the KV cache between
 iterations and what waking the engine costs, which resharding scheme moves the actor's weights
-into the engine, what it offloads to host memory between phases, and the fixed costs it pays
+into the engine, what it offloads to host memory between phases, how its driver hands each
+call its batch, and the fixed costs it pays
 per call, optimizer step, micro-batch and iteration. Every number in a shipped profile names
 its source in a comment; a value no public source gives is 0 and says so.
 """
@@ -192,6 +193,44 @@ class FixedCosts:
             require(getattr(self, name) >= 0, "must be >= 0", name)
 
 
+Dispatch = Literal["shared", "per_worker"]
+Collect = Literal["one_per_shard", "every_worker"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ControllerSettings:
+    """How the single driver hands a model call its batch and takes the results back. The
+    driver pickles the batch's CPU tensors on one thread (Ray passes numpy arrays zero-copy,
+    but torch tensors are pickled by copying their storage), so a call costs the batch's bytes
+    over the serialization rate, once per copy it sends. The batch is padded to its longest
+    sequence. A byte count of 0 leaves that leg unpriced."""
+
+    dispatch: Dispatch = "shared"
+    """'shared': each data-parallel shard is serialized once and its tensor x pipeline
+    parallel workers read that one object (``ray.put`` first); 'per_worker': every worker
+    gets its own by-value copy, so the driver pickles each shard tp x pp times."""
+    collect: Collect = "one_per_shard"
+    """'every_worker': the driver fetches and unpickles every worker's result, the replicated
+    ones too, before keeping one per shard; 'one_per_shard': only one worker's per shard."""
+    infer_input_bytes_per_token: float = 0.0
+    """Bytes per padded token slot of the batch a forward-only call (log-probs, values) gets."""
+    train_input_bytes_per_token: float = 0.0
+    """Bytes per padded token slot of the batch a training call gets."""
+    infer_output_bytes_per_token: float = 0.0
+    """Bytes per padded token slot a forward-only call returns from each worker it collects."""
+    serialize_bytes_per_s: float = 1.0
+    """Rate at which the driver (or a worker) pickles batch tensors, bytes per second."""
+    deserialize_bytes_per_s: float = 1.0
+    """Rate at which a process unpickles them, bytes per second."""
+
+    def __post_init__(self) -> None:
+        for name in ("infer_input_bytes_per_token", "train_input_bytes_per_token",
+                     "infer_output_bytes_per_token"):
+            require(getattr(self, name) >= 0, "must be >= 0", name)
+        for name in ("serialize_bytes_per_s", "deserialize_bytes_per_s"):
+            require(getattr(self, name) > 0, "must be > 0", name)
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FrameworkProfile:
     """How one RLHF framework runs a job. Loaded from ``profiles/frameworks/NAME.yaml``."""
@@ -204,6 +243,7 @@ class FrameworkProfile:
     training: TrainingSettings = field(default_factory=TrainingSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
     fixed_costs: FixedCosts = field(default_factory=FixedCosts)
 
     def transition_scheme(self, sharding: str) -> TransitionScheme:

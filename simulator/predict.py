@@ -20,7 +20,7 @@ from simulator.costs.generation import (
 from simulator.costs.inference import forward_pass
 from simulator.costs.memory import GIB, MemoryBreakdown, does_not_fit_message
 from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_step
-from simulator.costs.transfer import transfer_seconds
+from simulator.costs.transfer import controller_dispatch_seconds, transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
 from simulator.packing import PackedBatch, bin_capacity_tokens, pack_stratified_batch
@@ -404,15 +404,17 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                  + profile.overheads.operation_seconds)
         swap = reference_swap_seconds(job, par) if (
             role == "ref" and job.reference_on_host) else 0.0
+        dispatch = dispatch_seconds(job, node, par, sequences)
         # A swapped-in reference takes the place of the actor's weights (which wait in host
         # memory): the set's resident state already counts one set of weights.
         return NodeEstimate(
             name=node.name, role=role, operation="infer", location=location,
-            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap,
+            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap
+            + dispatch,
             sequences=sequences, tokens=tokens,
             transient=MemoryBreakdown(activations=activations),
             detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
-                    "swap_seconds": swap})
+                    "swap_seconds": swap, "dispatch_seconds": dispatch})
     steps = work.ppo_epochs * work.mini_batches_per_epoch
     batch = math.ceil(sequences / work.mini_batches_per_epoch)
     if node.pretrain_loss:
@@ -435,13 +437,28 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     detail = {f"{k}_seconds": steps * v for k, v in step.breakdown.items()}
     detail["optimizer_steps"] = float(steps)
     detail["seconds_per_step"] = step_seconds
+    dispatch = dispatch_seconds(job, node, par, sequences)
+    detail["dispatch_seconds"] = dispatch
     return NodeEstimate(
         name=node.name, role=role, operation="train", location=location,
         seconds=(steps * step_seconds + profile.overheads.operation_seconds)
-        * host_slowdown(job, par.world_size),
+        * host_slowdown(job, par.world_size) + dispatch,
         sequences=sequences * work.ppo_epochs,
         tokens=tokens * work.ppo_epochs,
         transient=MemoryBreakdown(grads=freed_grads, activations=activations), detail=detail)
+
+
+def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: float) -> float:
+    """The driver's serialization of one model call's batch and results (the framework's
+    ``controller`` settings), the batch padded to its longest sequence: the prompt plus the
+    longest response of a stratified batch of ``sequences``."""
+    work = job.workload
+    count = max(1, math.ceil(sequences))
+    padded_tokens = work.prompt_length + work.response_length.length_at(count - 1, count)
+    return controller_dispatch_seconds(
+        job.framework_profile.controller, operation=node.operation, sequences=sequences,
+        padded_tokens=padded_tokens, data_parallel=par.dp,
+        workers_per_shard=par.model_parallel_size)
 
 
 def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,

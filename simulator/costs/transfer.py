@@ -4,11 +4,13 @@ With a single controller (HybridFlow, verl, this project's executor) every call 
 output to the controller and the controller sends the next call its input: a batch crosses
 the controller's network link once on the way in and once on the way out, whichever sets the
 two nodes live on. Work done on the controller itself (advantages, rule rewards) needs only
-the leg that reaches or leaves it."""
+the leg that reaches or leaves it. Before the wire, the driver serializes what it sends
+(``controller_dispatch_seconds``)."""
 
 from __future__ import annotations
 
 from profiles.device import DeviceProfile
+from profiles.framework import ControllerSettings
 from simulator.costs.primitives import p2p_seconds
 
 BYTES_PER_TOKEN = {
@@ -32,3 +34,32 @@ def transfer_seconds(profile: DeviceProfile, *, sequences: float, tokens_per_seq
     total = sequences * tokens_per_sequence * BYTES_PER_TOKEN.get(operation, 4)
     seconds = legs * p2p_seconds(profile, total, crosses_nodes=True)
     return seconds * profile.correction("transfer")
+
+
+def controller_dispatch_seconds(controller: ControllerSettings, *, operation: str,
+                                sequences: float, padded_tokens: float, data_parallel: int,
+                                workers_per_shard: int) -> float:
+    """Seconds a model call spends having its batch serialized by the driver and its results
+    taken back, beyond the wire (``transfer_seconds``): the driver pickles each copy it sends
+    (one per shard, or one per worker of a shard's ``workers_per_shard`` tensor x pipeline
+    group when the framework passes the batch by value to every worker), each worker unpickles
+    its shard (in parallel with the others), and the driver unpickles every result it collects.
+    ``padded_tokens`` is the batch's slot count per sequence (padded to its longest)."""
+    if operation == "train":
+        in_bytes_per_token = controller.train_input_bytes_per_token
+        out_bytes_per_token = 0.0
+    elif operation == "infer":
+        in_bytes_per_token = controller.infer_input_bytes_per_token
+        out_bytes_per_token = controller.infer_output_bytes_per_token
+    else:
+        return 0.0
+    slots = sequences * padded_tokens
+    batch_in_bytes = slots * in_bytes_per_token
+    batch_out_bytes = slots * out_bytes_per_token
+    copies_sent = workers_per_shard if controller.dispatch == "per_worker" else 1
+    copies_collected = workers_per_shard if controller.collect == "every_worker" else 1
+    driver_seconds = (copies_sent * batch_in_bytes / controller.serialize_bytes_per_s
+                      + copies_collected * batch_out_bytes / controller.deserialize_bytes_per_s)
+    worker_seconds = (batch_in_bytes / data_parallel / controller.deserialize_bytes_per_s
+                      + batch_out_bytes / data_parallel / controller.serialize_bytes_per_s)
+    return driver_seconds + worker_seconds
