@@ -218,17 +218,30 @@ class ControllerSettings:
     """Bytes per padded token slot of the batch a training call gets."""
     infer_output_bytes_per_token: float = 0.0
     """Bytes per padded token slot a forward-only call returns from each worker it collects."""
-    serialize_bytes_per_s: float = 1.0
-    """Rate at which the driver (or a worker) pickles batch tensors, bytes per second."""
-    deserialize_bytes_per_s: float = 1.0
-    """Rate at which a process unpickles them, bytes per second."""
+    serialize_bytes_per_s: float | None = None
+    """Rate at which the driver (or a worker) pickles batch tensors, bytes per second
+    (``benchmarks/bench_dispatch.py`` measures it); needed once a byte count is set."""
+    deserialize_bytes_per_s: float | None = None
+    """Rate at which a process unpickles them, bytes per second; needed likewise."""
 
     def __post_init__(self) -> None:
-        for name in ("infer_input_bytes_per_token", "train_input_bytes_per_token",
-                     "infer_output_bytes_per_token"):
+        counts = ("infer_input_bytes_per_token", "train_input_bytes_per_token",
+                  "infer_output_bytes_per_token")
+        for name in counts:
             require(getattr(self, name) >= 0, "must be >= 0", name)
+        priced = any(getattr(self, name) > 0 for name in counts)
         for name in ("serialize_bytes_per_s", "deserialize_bytes_per_s"):
-            require(getattr(self, name) > 0, "must be > 0", name)
+            rate = getattr(self, name)
+            require(rate is None or rate > 0, "must be > 0", name)
+            require(rate is not None or not priced,
+                    "needed when a batch byte count is set (benchmarks/bench_dispatch.py "
+                    "measures it)", name)
+
+    @property
+    def priced(self) -> bool:
+        """Whether any leg of the dispatch has a byte count."""
+        return (self.infer_input_bytes_per_token > 0 or self.train_input_bytes_per_token > 0
+                or self.infer_output_bytes_per_token > 0)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

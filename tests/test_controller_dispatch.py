@@ -58,15 +58,17 @@ def test_uncounted_batches_and_generation_calls_cost_nothing() -> None:
     assert seconds(settings(), "generate", workers_per_shard=16) == 0
 
 
-@pytest.mark.parametrize(("key", "value", "problem"), [
-    ("train_input_bytes_per_token", -1, "must be >= 0"),
-    ("serialize_bytes_per_s", 0, "must be > 0"),
+@pytest.mark.parametrize(("base", "key", "value", "problem"), [
+    ("nemo-rl", "train_input_bytes_per_token", -1, "must be >= 0"),
+    ("nemo-rl", "serialize_bytes_per_s", 0, "must be > 0"),
+    ("verl", "train_input_bytes_per_token", 32, "needed when a batch byte count is set"),
 ])
-def test_bad_controller_settings_name_the_key(tmp_path, key, value, problem) -> None:
+def test_bad_controller_settings_name_the_key(tmp_path, base, key, value, problem) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(f"base: nemo-rl\nname: bad\ncontroller:\n  {key}: {value}\n")
-    with pytest.raises(SpecError, match=rf"controller\.{key}.*{problem}|{problem}"):
+    path.write_text(f"base: {base}\nname: bad\ncontroller:\n  {key}: {value}\n")
+    with pytest.raises(SpecError, match=problem) as error:
         load_framework(str(path))
+    assert "controller." in str(error.value) and str(path) in str(error.value)
 
 
 def nemo_70b(framework: str):

@@ -44,7 +44,12 @@ def controller_dispatch_seconds(controller: ControllerSettings, *, operation: st
     (one per shard, or one per worker of a shard's ``workers_per_shard`` tensor x pipeline
     group when the framework passes the batch by value to every worker), each worker unpickles
     its shard (in parallel with the others), and the driver unpickles every result it collects.
-    ``padded_tokens`` is the batch's slot count per sequence (padded to its longest)."""
+    ``padded_tokens`` is the batch's slot count per sequence (padded to its longest).
+    Generation calls are not priced: they carry prompts only, a few hundred bytes a sequence,
+    and return one copy per engine."""
+    if not controller.priced:
+        return 0.0
+    assert controller.serialize_bytes_per_s and controller.deserialize_bytes_per_s
     if operation == "train":
         in_bytes_per_token = controller.train_input_bytes_per_token
         out_bytes_per_token = 0.0
