@@ -336,11 +336,15 @@ class WorkerGroup:
     def build(self, config: RoleConfig) -> list[dict[str, Any]]:
         return self.ray.get([w.build.remote(config) for w in self.workers])
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the group's workers: ``graceful`` lets each close its process groups first;
+        after a worker failed, the others may sit in a collective with it, where that call
+        would wait its whole timeout, so they are killed outright."""
         from ray.util.placement_group import remove_placement_group
 
-        with contextlib.suppress(Exception):
-            self.ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
+        if graceful:
+            with contextlib.suppress(Exception):
+                self.ray.get([w.shutdown.remote() for w in self.workers], timeout=60)
         for worker in self.workers:
             self.ray.kill(worker)
         remove_placement_group(self.placement_group)

@@ -114,6 +114,8 @@ class RunSession:
         self.rows: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
+        self.worker_failed = False
+        """A worker failed and the run gives up: its peers are killed, not asked to stop."""
         self.checkpoints_written: list[dict[str, Any]] = []
         self.warmup: list[float] = []
         self.cost_warmup: list[float] = []
@@ -219,9 +221,9 @@ class RunSession:
         sync_weights(self.ctx)
         self.records.clear()
 
-    def stop_workers(self) -> None:
+    def stop_workers(self, graceful: bool = True) -> None:
         for group in self.groups:
-            group.shutdown()
+            group.shutdown(graceful=graceful)
         self.groups = []
 
     # ----- checkpoints -----------------------------------------------------------------
@@ -356,6 +358,8 @@ class RunSession:
         """Write the records of the finished iterations and raise RunFailedError."""
         from executor.controller import WorkerFailedError
 
+        self.worker_failed = isinstance(failure, WorkerFailedError)
+
         where = ""
         if self.options.out is not None:
             detail = ({"iteration": iteration, "operation": failure.operation,
@@ -390,7 +394,7 @@ class RunSession:
                 raise RunInterruptedError(f"interrupted: the records of {kept} are kept"
                                           f"{where}{last}") from None
         finally:
-            self.stop_workers()
+            self.stop_workers(graceful=not self.worker_failed)
             if self.started_ray:
                 self.ray.shutdown()
 
@@ -556,7 +560,7 @@ class RunSession:
         checkpoint = self.last_checkpoint
         self.say(f"worker failure in iteration {iteration + 1}: {failure}; restarting the "
                  f"workers from {checkpoint or 'the start'}")
-        self.stop_workers()
+        self.stop_workers(graceful=False)
         self.start_workers()
         if checkpoint is not None:
             restored = self.restore(checkpoint)
