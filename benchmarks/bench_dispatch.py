@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import ray
 import torch
 
-REPEATS = 9
+REPEATS = 15
 SEQUENCES = 256
 PADDED_TOKENS = 4096
 
@@ -71,9 +71,9 @@ def main() -> None:
         ray.get(worker.take.remote({}))
         stored = ray.put(batch)
         rows = {
-            # serialize_bytes_per_s
+            # controller.serialize_bytes_per_s: the driver's work per copy it sends
             "ray.put (the driver pickles a shard)": median_rate(nbytes, lambda: ray.put(batch)),
-            # deserialize_bytes_per_s
+            # controller.deserialize_bytes_per_s
             "ray.get of a stored shard (unpickle)": median_rate(nbytes, lambda: ray.get(stored)),
             # End to end, for comparison: one by-value call (pickle, worker unpickle) and
             # fetching a worker's result (worker pickles, driver unpickles).

@@ -114,8 +114,10 @@ class RunSession:
         self.rows: list[dict[str, Any]] = []
         self.metrics: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
-        self.worker_failed = False
-        """A worker failed and the run gives up: its peers are killed, not asked to stop."""
+        self.kill_workers = False
+        """Set when a worker failed or the run was interrupted: the workers are then killed,
+        not asked to stop, since a rank may wait in a collective (with a failed peer) for its
+        whole timeout."""
         self.checkpoints_written: list[dict[str, Any]] = []
         self.warmup: list[float] = []
         self.cost_warmup: list[float] = []
@@ -358,7 +360,7 @@ class RunSession:
         """Write the records of the finished iterations and raise RunFailedError."""
         from executor.controller import WorkerFailedError
 
-        self.worker_failed = isinstance(failure, WorkerFailedError)
+        self.kill_workers = isinstance(failure, WorkerFailedError)
 
         where = ""
         if self.options.out is not None:
@@ -379,10 +381,18 @@ class RunSession:
         options = self.options
         self.ray, self.started_ray = _start_ray(self.plan, options.address,
                                                 options.worker_logs)
+        from executor.controller import WorkerFailedError
+
         try:
             try:
                 return self._run()
+            except WorkerFailedError:
+                # Failed outside an iteration (warm-up, restore, a restart): the same as in one.
+                self.kill_workers = True
+                raise
             except KeyboardInterrupt:
+                # Ranks may be inside a call (or a collective): kill them, do not wait.
+                self.kill_workers = True
                 kept = f"{len(self.metrics)} finished iteration(s)"
                 where = ""
                 if options.out is not None:
@@ -394,7 +404,7 @@ class RunSession:
                 raise RunInterruptedError(f"interrupted: the records of {kept} are kept"
                                           f"{where}{last}") from None
         finally:
-            self.stop_workers(graceful=not self.worker_failed)
+            self.stop_workers(graceful=not self.kill_workers)
             if self.started_ray:
                 self.ray.shutdown()
 

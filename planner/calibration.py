@@ -248,7 +248,10 @@ def predicted_stages(run: Run, iteration: int, profile: DeviceProfile, *,
     """The simulator's seconds for every stage of one iteration, and for the iteration."""
     job = iteration_job(run, iteration, profile, fixed_costs=fixed_costs)
     estimate = estimate_plan(job, run.plan)
-    predicted = {name: n.seconds for name, n in estimate.nodes.items()}
+    # A stage's measured compute starts when its workers have their data: the driver's
+    # dispatch (a framework's controller settings) is not in it, only in the iteration.
+    predicted = {name: n.seconds - n.detail.get("dispatch_seconds", 0.0)
+                 for name, n in estimate.nodes.items()}
     if estimate.transition is not None:
         predicted["actor.transition"] = estimate.transition.seconds
     if run.plan.mode == "sync":

@@ -225,23 +225,24 @@ class ControllerSettings:
     """Rate at which a process unpickles them, bytes per second; needed likewise."""
 
     def __post_init__(self) -> None:
-        counts = ("infer_input_bytes_per_token", "train_input_bytes_per_token",
-                  "infer_output_bytes_per_token")
-        for name in counts:
+        for name in BYTE_COUNTS:
             require(getattr(self, name) >= 0, "must be >= 0", name)
-        priced = any(getattr(self, name) > 0 for name in counts)
         for name in ("serialize_bytes_per_s", "deserialize_bytes_per_s"):
             rate = getattr(self, name)
             require(rate is None or rate > 0, "must be > 0", name)
-            require(rate is not None or not priced,
+            require(rate is not None or not self.priced,
                     "needed when a batch byte count is set (benchmarks/bench_dispatch.py "
                     "measures it)", name)
 
     @property
     def priced(self) -> bool:
         """Whether any leg of the dispatch has a byte count."""
-        return (self.infer_input_bytes_per_token > 0 or self.train_input_bytes_per_token > 0
-                or self.infer_output_bytes_per_token > 0)
+        return any(getattr(self, name) > 0 for name in BYTE_COUNTS)
+
+
+BYTE_COUNTS = ("infer_input_bytes_per_token", "train_input_bytes_per_token",
+               "infer_output_bytes_per_token")
+"""ControllerSettings' batch byte counts (0: that leg is not priced)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

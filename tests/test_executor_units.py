@@ -366,3 +366,41 @@ def test_the_workers_gpu_index_comes_from_rays_gpu_ids() -> None:
     assert local_gpu_index([5], "4,5") == 1
     assert local_gpu_index([5], None) == 5
     assert local_gpu_index([], None) == 0
+
+
+def test_a_failed_groups_workers_are_killed_without_asking_them_to_stop(monkeypatch) -> None:
+    """After a failure a rank may sit in a collective with the failed one: a shutdown call
+    would queue behind it for the collective's timeout, so the workers are killed outright;
+    a graceful stop asks each to close its process groups first."""
+    import importlib
+
+    from executor.controller import WorkerGroup
+
+    # The module, not ray.util's function of the same name.
+    placement = importlib.import_module("ray.util.placement_group")
+
+    calls: list[str] = []
+
+    class Method:
+        def remote(self) -> str:
+            calls.append("shutdown")
+            return "ref"
+
+    class Worker:
+        shutdown = Method()
+
+    class Ray:
+        def get(self, refs, timeout=None) -> None:
+            calls.append("wait")
+
+        def kill(self, worker) -> None:
+            calls.append("kill")
+
+    monkeypatch.setattr(placement, "remove_placement_group", lambda group: calls.append("free"))
+    group = object.__new__(WorkerGroup)
+    group.ray, group.workers, group.placement_group = Ray(), [Worker(), Worker()], None
+    group.shutdown(graceful=False)
+    assert calls == ["kill", "kill", "free"]
+    calls.clear()
+    group.shutdown()
+    assert calls == ["shutdown", "shutdown", "wait", "kill", "kill", "free"]

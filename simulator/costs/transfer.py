@@ -45,11 +45,11 @@ def controller_dispatch_seconds(controller: ControllerSettings, *, operation: st
     group when the framework passes the batch by value to every worker), each worker unpickles
     its shard (in parallel with the others), and the driver unpickles every result it collects.
     ``padded_tokens`` is the batch's slot count per sequence (padded to its longest).
-    Generation calls are not priced: they carry prompts only, a few hundred bytes a sequence,
-    and return one copy per engine."""
-    if not controller.priced:
+    Generation calls are not priced: they send prompts only and return one copy of the
+    responses per engine (int64 ids and fp32 log-probs, about 12 bytes a token, once)."""
+    serialize, deserialize = controller.serialize_bytes_per_s, controller.deserialize_bytes_per_s
+    if not controller.priced or serialize is None or deserialize is None:
         return 0.0
-    assert controller.serialize_bytes_per_s and controller.deserialize_bytes_per_s
     if operation == "train":
         in_bytes_per_token = controller.train_input_bytes_per_token
         out_bytes_per_token = 0.0
@@ -63,8 +63,8 @@ def controller_dispatch_seconds(controller: ControllerSettings, *, operation: st
     batch_out_bytes = slots * out_bytes_per_token
     copies_sent = workers_per_shard if controller.dispatch == "per_worker" else 1
     copies_collected = workers_per_shard if controller.collect == "every_worker" else 1
-    driver_seconds = (copies_sent * batch_in_bytes / controller.serialize_bytes_per_s
-                      + copies_collected * batch_out_bytes / controller.deserialize_bytes_per_s)
-    worker_seconds = (batch_in_bytes / data_parallel / controller.deserialize_bytes_per_s
-                      + batch_out_bytes / data_parallel / controller.serialize_bytes_per_s)
+    driver_seconds = (copies_sent * batch_in_bytes / serialize
+                      + copies_collected * batch_out_bytes / deserialize)
+    worker_seconds = (batch_in_bytes / data_parallel / deserialize
+                      + batch_out_bytes / data_parallel / serialize)
     return driver_seconds + worker_seconds
