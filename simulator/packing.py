@@ -44,18 +44,33 @@ class PackedBatch:
 
 def first_fit_decreasing(lengths: tuple[int, ...], capacity_tokens: int) -> list[list[int]]:
     """Bins of at most ``capacity_tokens`` tokens, filled longest first into the first bin
-    with room (a sequence longer than the capacity gets a bin of its own)."""
+    with room (a sequence longer than the capacity gets a bin of its own).
+
+    The first bin with room is found in a tree of the bins' free room (each node the most room
+    below it), so a batch of n sequences packs in O(n log n), not O(n x bins): a batch of
+    32,768 sequences that each fill a bin took minutes bin by bin."""
+    items = sorted(lengths, reverse=True)
+    leaves = 1
+    while leaves < len(items):
+        leaves *= 2
+    # Unopened bins hold -1: no sequence (>= 1 token) fits them; a full bin holds 0.
+    most_room = [-1] * (2 * leaves)
     bins: list[list[int]] = []
-    room: list[int] = []
-    for length in sorted(lengths, reverse=True):
-        for index, free in enumerate(room):
-            if length <= free:
-                bins[index].append(length)
-                room[index] -= length
-                break
+    for length in items:
+        if most_room[1] >= length:
+            node = 1
+            while node < leaves:  # the leftmost bin with room
+                node = 2 * node if most_room[2 * node] >= length else 2 * node + 1
+            bins[node - leaves].append(length)
+            most_room[node] -= length
         else:
+            node = leaves + len(bins)
             bins.append([length])
-            room.append(capacity_tokens - length)
+            most_room[node] = capacity_tokens - length
+        node //= 2
+        while node:
+            most_room[node] = max(most_room[2 * node], most_room[2 * node + 1])
+            node //= 2
     return bins
 
 
