@@ -378,11 +378,11 @@ class RunSession:
     # ----- the run ---------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        from executor.controller import WorkerFailedError
+
         options = self.options
         self.ray, self.started_ray = _start_ray(self.plan, options.address,
                                                 options.worker_logs)
-        from executor.controller import WorkerFailedError
-
         try:
             try:
                 return self._run()

@@ -451,12 +451,16 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
 def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: float) -> float:
     """The driver's serialization of one model call's batch and results (the framework's
     ``controller`` settings), the batch padded to its longest sequence: the prompt plus the
-    longest response of a stratified batch of ``sequences``."""
+    longest response of a stratified batch of ``sequences``. (Most frameworks do not price it:
+    the search's hot path then skips the padded length.)"""
+    controller = job.framework_profile.controller
+    if not controller.priced:
+        return 0.0
     work = job.workload
     count = max(1, math.ceil(sequences))
     padded_tokens = work.prompt_length + work.response_length.length_at(count - 1, count)
     return controller_dispatch_seconds(
-        job.framework_profile.controller, operation=node.operation, sequences=sequences,
+        controller, operation=node.operation, sequences=sequences,
         padded_tokens=padded_tokens, data_parallel=par.dp,
         workers_per_shard=par.model_parallel_size)
 
