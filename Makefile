@@ -28,7 +28,7 @@ $(VENV)/.export-frameworks-installed: $(VENV)/.test-installed
 	$(PIP) install hydra-core==1.3.8
 	$(PIP) install --no-deps verl==0.9.1 openrlhf==0.11.2 tensordict==0.10.0 \
 		codetiming==1.4.0 pyvers==0.1.0 lazy-importer==0.1.0 orjson==3.13.0 \
-		importlib_metadata==10.2.0 zipp==4.1.2
+		importlib_metadata==10.2.0 zipp==4.1.2 cloudpickle==3.1.3
 	@touch $@
 
 plan: $(VENV)/.plan-installed

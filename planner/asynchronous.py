@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.search import Search, SearchOptions
-from planner.space import _powers_of_two
+from planner.search import Search, SearchOptions, placement_refusal
+from planner.space import powers_of_two
 from profiles.datafile import SpecError
 from simulator.asynchronous import steady_step_seconds
 from simulator.plan import Plan, RolePlan, RolloutSet, job_as_planned
@@ -46,7 +46,7 @@ class AsyncCandidate:
 def rollout_sizes(total_gpus: int, gpus_per_node: int) -> list[int]:
     """GPU counts the rollout set may take (leaving the trainer at least one GPU)."""
     if total_gpus <= gpus_per_node:
-        return [r for r in _powers_of_two(total_gpus - 1) if total_gpus - r >= 1]
+        return [r for r in powers_of_two(total_gpus - 1) if total_gpus - r >= 1]
     nodes = total_gpus // gpus_per_node
     counts = list(range(1, nodes))
     if len(counts) > MAX_ROLLOUT_SIZES:
@@ -63,7 +63,7 @@ def rollout_layouts(job: JobSpec, gpus: int) -> list[GenerationConfig]:
     pin = job.parallel.get("actor")
     seqs, utilization = job.rollout_defaults()
     out = []
-    for tp in _powers_of_two(min(gpn, gpus)):
+    for tp in powers_of_two(min(gpn, gpus)):
         if model.heads % tp or gpus % tp or (pin and pin.generation_tp not in (None, tp)):
             continue
         out.append(GenerationConfig(tp=tp, pp=1, max_num_seqs=seqs,
@@ -86,7 +86,17 @@ def search_async(job: JobSpec, mode: Mode, staleness: int,
     for rollout_gpus in rollout_sizes(total, gpn):
         trainer_cluster = job.cluster.with_total_gpus(total - rollout_gpus)
         trainer_job = replace(job, cluster=trainer_cluster, generation_elsewhere=True)
-        result = Search(trainer_job, options).run(top_k=TRAINER_FINALISTS)
+        trainer_options = options
+        if options.placements:
+            # Placements given for the synchronous search that the framework cannot set up
+            # beside a rollout set are left out here.
+            study = options.space.backend == "simulated"
+            kept = tuple(p for p in options.placements
+                         if placement_refusal(trainer_job, p, study=study) is None)
+            if not kept:
+                continue
+            trainer_options = replace(options, placements=kept)
+        result = Search(trainer_job, trainer_options).run(top_k=TRAINER_FINALISTS)
         layouts = rollout_layouts(job, rollout_gpus)
         for candidate in result.ranking:
             trainer_plan = candidate.to_plan(trainer_job)

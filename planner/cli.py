@@ -1355,6 +1355,8 @@ def list_(what: str) -> None:
 
 
 cli.add_command(__import__("planner.export.command", fromlist=["export"]).export)
+cli.add_command(__import__("planner.export.import_command",
+                           fromlist=["import_launch"]).import_launch)
 
 
 def main(argv: list[str] | None = None) -> None:

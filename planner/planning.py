@@ -7,7 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from planner.objective import Ranking, plan_dollars_per_second, priced
-from planner.search import Candidate, Placement, Search, SearchOptions, SearchStats
+from planner.search import (
+    Candidate,
+    Placement,
+    Search,
+    SearchOptions,
+    SearchStats,
+    placement_refusal,
+)
 from planner.space import set_sizes
 from simulator.asynchronous import simulate_async
 from simulator.costs.memory import GIB, MemoryBreakdown
@@ -167,6 +174,13 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
                                               reason="not applicable: no second set"))
             continue
         label = "|".join(",".join(g) for g in placement)
+        refusal = placement_refusal(job, placement, study=search.study)
+        if refusal is not None:
+            strategies.append(StrategyOutcome(
+                name=name, placement=label, result=None,
+                reason=f"not in {job.framework_profile.name}'s space: its configuration "
+                       "cannot place it"))
+            continue
         if len(placement) > job.cluster.total_gpus:
             strategies.append(StrategyOutcome(
                 name=name, placement=label, result=None,
@@ -322,9 +336,15 @@ def smallest_cluster(job: JobSpec, max_nodes: int = 1024) -> int | None:
         bigger = job.with_cluster(cluster.with_total_gpus(gpus))
         return bool(Search(bigger, SearchOptions(top_k=1)).frontier(bigger.gpu_roles, gpus))
 
-    low, high = -1, 0
-    while high < len(sizes) and not fits(sizes[high]):
-        low, high = high, min(len(sizes), 2 * high + 1) if high else 1
+    # Doubling over powers of two of nodes (a framework's batch checks hold at powers of two
+    # that they may not hold between), then bisecting below the first that fits.
+    probes = [i for i, g in enumerate(sizes) if g % gpn or (g // gpn) & (g // gpn - 1) == 0]
+    low, high = -1, len(sizes)
+    for index in probes:
+        if fits(sizes[index]):
+            high = index
+            break
+        low = index
     if high >= len(sizes):
         return None
     while high - low > 1:

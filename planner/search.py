@@ -38,8 +38,17 @@ from planner.objective import (
     pool_price_per_gpu_hour,
     priced,
 )
-from planner.space import SpaceOptions, pack, placements, role_configs, set_sizes
+from planner.space import (
+    SpaceOptions,
+    pack,
+    placements,
+    powers_of_two,
+    role_configs,
+    search_space,
+    set_sizes,
+)
 from profiles.datafile import SpecError
+from profiles.framework_space import project
 from simulator.costs.generation import decode, prefill_seconds, running_cap
 from simulator.costs.inference import forward_pass
 from simulator.costs.training import train_step
@@ -305,6 +314,7 @@ class Search:
         self.options = options or SearchOptions()
         if self.options.space.backend != "simulated":
             check_executable_models(job)
+            check_framework_algorithm(job)
         self.progress = progress
         self.stats = SearchStats()
         self.pools = job.cluster.pools()
@@ -314,11 +324,19 @@ class Search:
         self.pool_gpn = tuple(p.group.gpus_per_node for p in self.pools)
         self.pool_sizes = tuple(set_sizes(g, n) for g, n in zip(self.pool_gpus, self.pool_gpn,
                                                                  strict=True))
-        self._candidates: dict[tuple[int, str, int], list[RoleCandidate]] = {}
+        self.space = search_space(job, self.options.space)
+        self.study = self.options.space.backend == "simulated"
+        self.variants = self.space.variants(job.gpu_roles, tuple(
+            powers_of_two(max(p.group.gpus_per_node for p in self.pools))))
+        self.variant = 0
+        """Index in ``variants`` of the job-wide settings being searched (the caches below
+        are keyed by it)."""
+        self._candidates: dict[tuple[int, str, int, int], list[RoleCandidate]] = {}
         self._generation_cache: tuple[dict, ...] = tuple({} for _ in self.pools)
-        self._frontiers: dict[tuple[int, tuple[str, ...], int], list[SetPoint]] = {}
-        self._ideals: dict[tuple[int, tuple[str, ...], int], tuple[float, ...] | None] = {}
-        self._role_ideals: dict[tuple[int, str, int], tuple[tuple[str, float], ...] | None] = {}
+        self._frontiers: dict[tuple[int, tuple[str, ...], int, int], list[SetPoint]] = {}
+        self._ideals: dict[tuple[int, tuple[str, ...], int, int], tuple[float, ...] | None] = {}
+        self._role_ideals: dict[tuple[int, str, int, int],
+                                tuple[tuple[str, float], ...] | None] = {}
         self._groups: dict[tuple[str, ...], tuple[Group, ...]] = {}
         self._fastest: dict[tuple, float] = {}
         self._top_k = self.options.top_k
@@ -358,11 +376,11 @@ class Search:
     def candidates(self, role: str, gpus: int, pool: int = 0) -> list[RoleCandidate]:
         """Every config of ``role`` on ``gpus`` GPUs of pool ``pool`` (a position in
         ``self.pools``) that fits alone, costed once."""
-        key = (pool, role, gpus)
+        key = (pool, role, gpus, self.variant)
         if self.options.cache and key in self._candidates:
             return self._candidates[key]
         view = self.views[pool]
-        plans = role_configs(view, role, gpus, self.options.space)
+        plans = role_configs(view, role, gpus, self.options.space, self.variants[self.variant])
         self.stats.configs_evaluated += len(plans)
         result = evaluate_role(view, role, plans, self.usable[pool])
         if self.options.cache:
@@ -370,7 +388,7 @@ class Search:
         return result
 
     def frontier(self, roles: tuple[str, ...], gpus: int, pool: int = 0) -> list[SetPoint]:
-        key = (pool, roles, gpus)
+        key = (pool, roles, gpus, self.variant)
         if self.options.cache and key in self._frontiers:
             self.stats.frontier_cache_hits += 1
             return self._frontiers[key]
@@ -378,8 +396,8 @@ class Search:
         candidates = {r: self.candidates(r, gpus, pool) for r in roles}
         points: list[SetPoint] = []
         # Executable plans keep a set's Megatron roles on one layout; studies need not.
-        subsets = [candidates] if self.options.space.backend == "simulated" else \
-            megatron_consistent(candidates)
+        subsets = megatron_consistent(candidates) if self.space.one_megatron_layout_per_set \
+            else [candidates]
         for subset in subsets:
             if any(not c for c in subset.values()):
                 continue
@@ -396,7 +414,7 @@ class Search:
         """A lower bound of every group duration of the set on ``gpus`` GPUs, without building
         its frontier: each operation at its fastest config, generation with the largest running
         batch. None when some model cannot fit on these GPUs even alone."""
-        key = (pool, roles, gpus)
+        key = (pool, roles, gpus, self.variant)
         if key in self._ideals:
             return self._ideals[key]
         groups = self.groups(roles)
@@ -418,7 +436,7 @@ class Search:
                     pool: int) -> tuple[tuple[str, float], ...] | None:
         """What ``quick_ideal`` adds for one model, in order: (operation, least seconds);
         None when no config of the model fits. Cached per (pool, role, GPUs)."""
-        key = (pool, role, gpus)
+        key = (pool, role, gpus, self.variant)
         if key in self._role_ideals:
             return self._role_ideals[key]
         cands = self.candidates(role, gpus, pool)
@@ -454,6 +472,8 @@ class Search:
         must pack into it."""
         layout = _Layout(self.job, placement, self.pools)
         k = len(placement)
+        # A framework that sizes its pools in nodes of one shape keeps every set on one group.
+        one_group = self.space.one_node_group and not self.study
         pools = range(len(self.pools))
         # Each set's options, pool by pool, largest first.
         options_for: list[list[tuple[int, int]]] = []
@@ -535,7 +555,7 @@ class Search:
                 return
             left = [remaining_in(chosen, p) for p in pools]
             for p, size in options_for[len(chosen)]:
-                if size > left[p]:
+                if size > left[p] or (one_group and chosen and p != chosen[0][0]):
                     continue
                 trial = [*chosen, (p, size)]
                 if not fits(trial, p):
@@ -637,33 +657,58 @@ class Search:
         """Search ``placements_to_try`` (default: the options', else all) keeping the
         ``top_k`` best; caches carry over between runs on one Search."""
         start = time.perf_counter()
-        chosen = allowed_placements(self.job, placements_to_try or self.options.placements)
+        chosen = allowed_placements(self.job, placements_to_try or self.options.placements,
+                                    study=self.study)
         self._top_k = top_k or self.options.top_k
         top: list = []
-        for index, placement in enumerate(chosen):
-            self.stats.placements += 1
-            self.search_placement(placement, top)
-            if self.progress is not None:
-                self.progress(index + 1, len(chosen), self.stats)
+        steps = len(chosen) * len(self.variants)
+        for variant in range(len(self.variants)):
+            # One search per choice of the framework's job-wide settings (one engine for the
+            # shared roles, one tensor-parallel size, ...), into one ranking.
+            self.variant = variant
+            for index, placement in enumerate(chosen):
+                self.stats.placements += 1
+                self.search_placement(placement, top)
+                if self.progress is not None:
+                    self.progress(variant * len(chosen) + index + 1, steps, self.stats)
         ranking = tuple(sorted((c for _, _, c in top), key=Candidate.sort_key))
         self.stats.seconds += time.perf_counter() - start
         return SearchResult(best=ranking[0] if ranking else None, ranking=ranking,
                             stats=self.stats)
 
 
-def allowed_placements(job: JobSpec, given: tuple[Placement, ...] | None = None
-                       ) -> tuple[Placement, ...]:
+def allowed_placements(job: JobSpec, given: tuple[Placement, ...] | None = None, *,
+                       study: bool = False) -> tuple[Placement, ...]:
     """The placements to search: ``given`` (each checked against what the job's framework can
-    run) or every set partition of the GPU roles that the framework can run."""
+    run) or every set partition of the GPU roles that the framework can run (a ``study``, the
+    simulated backend, tries every placement the simulator prices)."""
     if not given:
-        return tuple(p for p in placements(job.gpu_roles) if job.placement_allowed(p))
+        return tuple(p for p in placements(job.gpu_roles)
+                     if placement_refusal(job, p, study=study) is None)
     for placement in given:
-        if not job.placement_allowed(placement):
-            raise SpecError(f"framework {job.framework!r} keeps the reference model's weights "
-                            "in host memory and swaps them into the actor's model: 'ref' must "
-                            f"share the actor's set (placement {placement_label(placement)})",
-                            key="placement")
+        reason = placement_refusal(job, placement, study=study)
+        if reason is not None:
+            raise SpecError(reason, key="placement")
     return given
+
+
+def placement_refusal(job: JobSpec, placement: Placement, *, study: bool = False) -> str | None:
+    """Why ``job``'s framework cannot run ``placement`` (None: it can). A ``study`` (the
+    simulated backend) is held only to what the simulator prices."""
+    label = placement_label(placement)
+    if not job.placement_allowed(placement):
+        return (f"framework {job.framework!r} keeps the reference model's weights in host "
+                "memory and swaps them into the actor's model: 'ref' must share the actor's "
+                f"set (placement {label})")
+    rules = job.framework_profile.space.placements
+    if study or rules.allows(placement, job.gpu_roles, trainer=job.generation_elsewhere):
+        return None
+    patterns = (rules.trainer or rules.sync) if job.generation_elsewhere else rules.sync
+    shown = sorted({placement_label(tuple(tuple(sorted(g)) for g in project(p, job.gpu_roles)))
+                    for p in patterns})
+    where = "beside a rollout set" if job.generation_elsewhere else "in synchronous mode"
+    return (f"framework {job.framework!r} cannot place {label} {where} (its configuration "
+            f"places: {'; '.join(shown)}); plan it with --backend simulated for a study")
 
 
 def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float:
@@ -690,8 +735,12 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
 
 
 def _push(top: list, candidate: Candidate, k: int) -> None:
-    """Keep the k best candidates in a max-heap keyed by sort order."""
-    entry = (-candidate.objective_value, _Reverse(candidate.sort_key()), candidate)
+    """Keep the k best candidates in a max-heap keyed by sort order (a candidate found again,
+    under another variant of the framework's job-wide settings, is kept once)."""
+    key = candidate.sort_key()
+    if any(entry[1].key == key for entry in top):
+        return
+    entry = (-candidate.objective_value, _Reverse(key), candidate)
     if len(top) < k:
         heapq.heappush(top, entry)
     elif candidate.sort_key() < top[0][2].sort_key():
@@ -727,21 +776,28 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
     space = space or SpaceOptions()
     ranking = ranking or Ranking()
     pools = job.cluster.pools()
+    framework = search_space(job, space)
+    study = space.backend == "simulated"
+    variants = framework.variants(job.gpu_roles, tuple(
+        powers_of_two(max(p.group.gpus_per_node for p in pools))))
     best: Candidate | None = None
-    for placement in allowed_placements(job, placements_to_try):
+    for placement in allowed_placements(job, placements_to_try, study=study):
         for on in itertools.product(range(len(pools)), repeat=len(placement)):
+            if framework.one_node_group and not study and len(set(on)) > 1:
+                continue
             views = [job.on_pool(pools[p]) for p in on]
             size_options = [set_sizes(pools[p].gpus, pools[p].group.gpus_per_node) for p in on]
             for allocation in itertools.product(*size_options):
                 first = _packed_in_pools(allocation, on, pools)
                 if first is None:
                     continue
-                per_role = {role: role_configs(view, role, size, space)
-                            for group, size, view in zip(placement, allocation, views,
-                                                         strict=True)
-                            for role in group}
-                best = _best_combination(job, placement, allocation, first, on, pools,
-                                         per_role, space, ranking, best)
+                for variant in variants:
+                    per_role = {role: role_configs(view, role, size, space, variant)
+                                for group, size, view in zip(placement, allocation, views,
+                                                             strict=True)
+                                for role in group}
+                    best = _best_combination(job, placement, allocation, first, on, pools,
+                                             per_role, space, ranking, best)
     return best
 
 
@@ -779,7 +835,7 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
         plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
             ColocatedSet(roles=g, gpus=s, first_gpu=f, node_group=n)
             for g, s, f, n in zip(placement, allocation, first, node_groups, strict=True)))
-        if space.backend != "simulated":
+        if search_space(job, space).one_megatron_layout_per_set:
             try:
                 plan.check_backends()
             except SpecError:
@@ -818,3 +874,19 @@ def check_executable_models(job: JobSpec) -> None:
             raise SpecError(f"{model.name} attends with multi-head latent attention, which no "
                             "executor backend here runs: plan it as a study with --backend "
                             "simulated", key=f"models.{role}")
+
+
+def check_framework_algorithm(job: JobSpec) -> None:
+    """Raise SpecError naming the key if the job's framework has no trainer for its
+    algorithm, or no engine for one of its models (a plan for it would be one the framework
+    cannot run)."""
+    space = job.framework_profile.space
+    if space.algorithms and job.algorithm not in space.algorithms:
+        raise SpecError(f"framework {job.framework!r} has no {job.algorithm} trainer (it runs "
+                        f"{', '.join(space.algorithms)}): set framework: hybridflow, or plan a "
+                        "study with --backend simulated", key="algorithm")
+    for role in job.gpu_roles:
+        if space.constrained and not space.engines_for(role):
+            hint = " (use reward: rule)" if role in ("reward", "cost") else ""
+            raise SpecError(f"framework {job.framework!r} runs no {role} model on GPUs"
+                            f"{hint}", key=f"models.{role}")

@@ -9,22 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from simulator.plan import RolePlan, megatron_installed, torch_runs
+from profiles.framework_space import EngineSpace, FrameworkSpace, GenerationSpace, Variant
+from simulator.plan import RolePlan, torch_runs
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig, outer_stage_layers
 
 Backend = Literal["any", "megatron", "fsdp", "simulated"]
 """Which layouts to search:
 
-- ``any``: what the installed executor backends run: the torch backend (FSDP2 / DTensor: tp x
-  dp, pp = 1, FSDP or replicas, generation tp dividing training tp) and, when megatron-core is
-  installed, Megatron-core 3D (pp x tp x dp, distributed optimizer, sequence parallelism);
-  generation pp = 1 (neither generator runs a pipeline) unless the job pins it;
-- ``megatron`` / ``fsdp``: one of those two;
-- ``simulated``: every layout the simulator prices, executable or not (generation pp > 1),
-  for studies such as the HybridFlow paper's.
+- ``any``: what the job's framework can express (its profile's ``space:``: engines per role,
+  their parallel dimensions, the placements its configuration sets up), whatever is installed
+  where ``plan`` runs;
+- ``megatron`` / ``fsdp``: the framework's Megatron-family or torch-family (FSDP / ZeRO /
+  DTensor) engines only;
+- ``simulated``: every layout the simulator prices on any placement, executable or not
+  (generation pp > 1), for studies such as the HybridFlow paper's.
 """
 
 
@@ -102,15 +103,63 @@ class SpaceOptions:
     backend: Backend = "any"
     micro_batches: tuple[int, ...] = (1, 2, 4)
     """Training micro-batch sizes tried (sequences per GPU)."""
-    recompute: tuple[str, ...] = ("selective", "full")
-    """Activation recompute modes tried for trained models."""
+    recompute: tuple[str, ...] = ()
+    """Activation recompute modes tried for trained models, among those the engine has
+    (empty: every mode the engine has)."""
     max_num_seqs: tuple[int, ...] = ()
     """Rollout running-batch caps tried beside the framework's default (or the pin)."""
     memory_utilization: tuple[float, ...] = ()
     """Rollout gpu_memory_utilization values tried beside the framework's default (or pin)."""
 
 
-def _powers_of_two(limit: int) -> list[int]:
+STUDY_SPACE = FrameworkSpace(
+    source="every layout the simulator prices (--backend simulated)",
+    engines=(
+        ("megatron", EngineSpace(family="megatron", tensor_parallel=True, pipeline_parallel=True,
+                                 virtual_pipeline=True, sequence_parallel=True,
+                                 expert_parallel=True, uneven_stages=True, even_widths=False,
+                                 trained_sharding=("optimizer",), frozen_sharding=("none",),
+                                 recompute=("selective", "full"))),
+        ("fsdp", EngineSpace(family="torch", tensor_parallel=True, sequence_parallel=True,
+                             even_widths=False, trained_sharding=("fsdp",),
+                             frozen_sharding=("fsdp",), recompute=("selective", "full"))),
+    ),
+    generation=GenerationSpace(nested=True, fsdp_regroups=True, pipeline_parallel=True))
+"""``--backend simulated``: every layout the simulator prices on any placement, executable by
+a framework or not (studies such as the HybridFlow paper's; generation pipelines included)."""
+
+
+def search_space(job: JobSpec, options: SpaceOptions) -> FrameworkSpace:
+    """The space the search enumerates for ``job``: its framework's (``--backend any``, or one
+    engine family of it with ``fsdp`` / ``megatron``), or the study space (``simulated``)."""
+    space = job.framework_profile.space
+    if options.backend == "simulated" or not space.constrained:
+        return STUDY_SPACE
+    return space
+
+
+def engine_choices(job: JobSpec, role: str, options: SpaceOptions,
+                   variant: Variant | None = None) -> list[tuple[str, EngineSpace]]:
+    """The engines ``role`` may use in ``job``'s search: the framework's (within the variant),
+    narrowed to one family by ``--backend fsdp|megatron``, to those that run the model
+    (mixture of experts) and the job's own prompt data."""
+    space = search_space(job, options)
+    engines = space.engines_for(role, variant)
+    if options.backend in FAMILY_OF_BACKEND:
+        engines = [(n, e) for n, e in engines if e.family == FAMILY_OF_BACKEND[options.backend]]
+    model = job.model(role)
+    if model.moe is not None:
+        engines = [(n, e) for n, e in engines if e.moe]
+    if job.data is not None:
+        engines = [(n, e) for n, e in engines if e.prompt_data]
+    return engines
+
+
+FAMILY_OF_BACKEND = {"fsdp": "torch", "megatron": "megatron"}
+"""``--backend`` values that narrow the framework's engines to one layout family."""
+
+
+def powers_of_two(limit: int) -> list[int]:
     out, value = [], 1
     while value <= limit:
         out.append(value)
@@ -127,158 +176,314 @@ def pipeline_sizes(layers: int) -> list[int]:
     and the powers of two up to them (stages of unequal layer counts, the heaviest pacing the
     pipeline: DeepSeek-V3's 61 layers, Qwen3-235B's 94), when Megatron's first/last stage sizes
     can cut them (none of the outer stages left empty)."""
-    return sorted(set(_divisors(layers)) | {p for p in _powers_of_two(layers)
+    return sorted(set(_divisors(layers)) | {p for p in powers_of_two(layers)
                                             if outer_stage_layers(layers, p) is not None})
 
 
-def role_configs(job: JobSpec, role: str, gpus: int,
-                 options: SpaceOptions = SpaceOptions()) -> list[RolePlan]:
-    """Algorithm 2's space for one model on ``gpus`` GPUs, within the job's pins: tp up to a
-    node (dividing the heads), pp dividing the layers, dp = gpus / (tp * pp); trained models
-    also over micro-batch and recompute; the actor also over generation tp and pp (each GPU's
-    training shard must lie inside its generation shard: t_g | t and p_g | p)."""
-    model = job.model(role)
-    dataflow = job.dataflow
-    trained = role in dataflow.trained_roles
-    # An actor whose generation runs on a rollout set of its own (asynchronous modes' trainer
-    # side) keeps only its training layout here.
-    generates = "generate" in dataflow.operations_of(role) and not job.generation_elsewhere
-    gpn = job.cluster.gpus_per_node
-    pin = job.parallel.get(role)
-    pins = pin.set_fields() if pin else {}
-    # A set smaller than a node lies inside one; a multi-node set's tp groups must tile its
-    # nodes (6-GPU nodes cannot hold tp=4 groups side by side).
-    tps = [t for t in _powers_of_two(min(gpn, gpus))
-           if model.heads % t == 0 and gpus % t == 0 and pins.get("tp", t) == t
-           and (gpus < gpn or gpn % t == 0)]
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """One training / inference layout of a model on a set, before the per-step knobs."""
 
-    layouts: list[tuple[int, int, str]] = []  # (tp, pp, sharding)
-    # The executor's Megatron path takes no left-padded prompts, so a job with its own data
-    # trains with torch unless the user asks for Megatron.
-    megatron = options.backend in ("megatron", "simulated") or (
-        options.backend == "any" and megatron_installed() and job.data is None)
-    if megatron and pins.get("sharding") in (None, "none", "optimizer"):
-        for tp in tps:
-            for pp in pipeline_sizes(model.layers):
-                if gpus % (tp * pp) or pins.get("pp", pp) != pp:
+    tp: int
+    pp: int
+    sharding: str
+    engine: EngineSpace
+
+
+def tensor_sizes(job: JobSpec, role: str, gpus: int, engine: EngineSpace,
+                 pins: dict[str, Any], variant: Variant | None) -> list[int]:
+    """Tensor-parallel sizes of ``role`` on ``gpus`` GPUs: powers of two up to a node that
+    divide the heads and the set (a set smaller than a node lies inside one; a multi-node
+    set's tp groups must tile its nodes: 6-GPU nodes cannot hold tp=4 groups side by side)."""
+    model = job.model(role)
+    gpn = job.cluster.gpus_per_node
+    candidates = powers_of_two(min(gpn, gpus)) if engine.tensor_parallel else [1]
+    out = [t for t in candidates
+           if model.heads % t == 0 and gpus % t == 0 and pins.get("tp", t) == t
+           and (gpus < gpn or gpn % t == 0)
+           and (variant is None or variant.tp in (None, t))]
+    if engine.even_widths:
+        out = [t for t in out if all(size % t == 0 for size in (model.kv_heads, model.ffn_hidden,
+                                                                 model.vocab))]
+    return out
+
+
+def stage_counts(job: JobSpec, role: str, engine: EngineSpace, pins: dict[str, Any]
+                 ) -> list[int]:
+    """Pipeline sizes of ``role`` the engine can cut its model into."""
+    model = job.model(role)
+    if not engine.pipeline_parallel:
+        sizes = [1]
+    elif engine.uneven_stages:
+        sizes = pipeline_sizes(model.layers)
+    else:
+        sizes = _divisors(model.layers)
+    vpp = pins.get("vpp", 1)
+    return [p for p in sizes if pins.get("pp", p) == p
+            and (engine.uneven_stages or model.layers % (p * vpp) == 0)]
+
+
+def shardings(job: JobSpec, role: str, dp: int, engine: EngineSpace, pins: dict[str, Any],
+              space: FrameworkSpace, variant: Variant | None) -> list[str]:
+    """How ``role``'s states may be laid out over ``dp`` data-parallel ranks: a trained model
+    shards them as the engine does (one rank: whole), a frozen one as the engine serves it."""
+    trained = role in job.dataflow.trained_roles
+    if trained:
+        options = list(engine.trained_sharding) if dp > 1 else ["none"]
+        if variant is not None and variant.trained_sharding is not None and dp > 1:
+            options = [s for s in options if s == variant.trained_sharding]
+    else:
+        options = list(engine.frozen_sharding)
+        if space.frozen_shard_with_training and variant is not None \
+                and variant.trained_sharding is not None:
+            options = ["fsdp" if variant.trained_sharding == "fsdp" else "none"]
+        if dp == 1:
+            options = ["none"] if options else []
+    if "sharding" in pins:
+        options = [s for s in options if s == pins["sharding"]] or (
+            [pins["sharding"]] if dp == 1 and pins["sharding"] == "none" else [])
+    return list(dict.fromkeys(options))
+
+
+def layouts(job: JobSpec, role: str, gpus: int, options: SpaceOptions,
+            variant: Variant | None, pins: dict[str, Any]) -> list[Layout]:
+    """Every (tp, pp, sharding) of ``role`` on ``gpus`` GPUs that one of its engines runs."""
+    space = search_space(job, options)
+    out: dict[tuple[int, int, str, bool], Layout] = {}
+    for _name, engine in engine_choices(job, role, options, variant):
+        for tp in tensor_sizes(job, role, gpus, engine, pins, variant):
+            for pp in stage_counts(job, role, engine, pins):
+                if gpus % (tp * pp):
                     continue
                 dp = gpus // (tp * pp)
-                sharding = "optimizer" if trained and dp > 1 else "none"
-                if pins.get("sharding") == "none":
-                    sharding = "none"
-                layouts.append((tp, pp, sharding))
-    if options.backend in ("any", "fsdp", "simulated") and \
-            pins.get("sharding") in (None, "fsdp") and pins.get("pp", 1) == 1:
-        layouts.extend((tp, 1, "fsdp") for tp in tps if gpus // tp > 1)
-    torch_only = options.backend == "fsdp" or (options.backend == "any" and not megatron)
-    if torch_only and pins.get("sharding") in (None, "none") and pins.get("pp", 1) == 1:
-        # The torch backend also runs plain replicas (and a whole model per GPU).
-        layouts.extend((tp, 1, "none") for tp in tps if not (trained and gpus // tp > 1
-                                                              and (tp, 1, "fsdp") in layouts))
-    if model.moe is not None and options.backend != "simulated":
-        # The executor trains mixture-of-experts models with Megatron-core only.
-        layouts = [(tp, pp, sh) for tp, pp, sh in layouts if sh != "fsdp"
-                   and not (torch_only and sh == "none")]
-    if options.backend != "simulated":
-        # Both executor backends cut every sharded width evenly (heads, KV heads, MLP,
-        # vocabulary) and give each pipeline stage the same number of layers.
-        layouts = [(tp, pp, sh) for tp, pp, sh in layouts
-                   if all(size % tp == 0 for size in (model.kv_heads, model.ffn_hidden,
-                                                        model.vocab))
-                   and model.layers % (pp * pins.get("vpp", 1)) == 0]
+                for sharding in shardings(job, role, dp, engine, pins, space, variant):
+                    if sharding == "fsdp" and pp > 1:
+                        continue
+                    key = (tp, pp, sharding, engine.sequence_parallel)
+                    out.setdefault(key, Layout(tp=tp, pp=pp, sharding=sharding, engine=engine))
+    return list(out.values())
 
-    micro_batches = (pins["micro_batch_size"],) if "micro_batch_size" in pins else (
-        options.micro_batches if trained else (job.workload.infer_micro_batch_size,))
-    recomputes = (pins["recompute"],) if "recompute" in pins else (
-        options.recompute if trained else ("selective",))
+
+def expert_layouts(job: JobSpec, role: str, layout: Layout, gpus: int,
+                   pins: dict[str, Any]) -> list[tuple[int, int]]:
+    """(ep, etp) to try: pinned, else for an MoE model every power of two that divides the
+    experts and the stage's tp * dp ranks (within a node the exchange stays on NVLink,
+    beyond it crosses the NICs; not with FSDP, not on an engine without expert
+    parallelism)."""
+    model = job.model(role)
+    if model.moe is None:
+        return [(1, 1)]
+    etp = pins.get("etp", 1)
+    ranks = layout.tp * (gpus // (layout.tp * layout.pp))
+    if "ep" in pins:
+        if pins["ep"] > 1 and not layout.engine.expert_parallel:
+            return []
+        return [(pins["ep"], etp)] if ranks % (pins["ep"] * etp) == 0 else []
+    if layout.sharding == "fsdp" or not layout.engine.expert_parallel:
+        return [(1, etp)] if ranks % etp == 0 else []
+    return [(ep, etp) for ep in powers_of_two(min(ranks, model.moe.experts))
+            if model.moe.experts % ep == 0 and ranks % (ep * etp) == 0]
+
+
+def serving_eps(job: JobSpec, role: str, gpus: int, gen_tp: int, gen_pp: int,
+                pins: dict[str, Any], space: FrameworkSpace) -> list[int]:
+    """Generation ep to try: pinned, else 1 (every replica holds every expert) and, for an
+    MoE model the framework serves with expert parallelism, vLLM's expert parallelism over
+    the largest power of two of the GPUs that the replicas tile."""
+    model = job.model(role)
+    if "generation_ep" in pins:
+        pinned = pins["generation_ep"]
+        fits = pinned == 1 or (pinned % gen_tp == 0 and gpus % (pinned * gen_pp) == 0)
+        return [pinned] if fits else []
+    if model.moe is None or not space.generation.expert_parallel:
+        return [1]
+    widest = max((e for e in powers_of_two(min(gpus, model.moe.experts))
+                  if e % gen_tp == 0 and model.moe.experts % e == 0
+                  and gpus % (e * gen_pp) == 0), default=1)
+    return sorted({1, widest if widest > gen_tp else 1})
+
+
+def generation_shapes(job: JobSpec, role: str, gpus: int, par: ParallelConfig,
+                      pins: dict[str, Any], space: FrameworkSpace) -> list[tuple[int, int]]:
+    """(tp_g, pp_g) of the actor's rollout engine on its ``gpus`` training GPUs. Nested (the
+    3D-HybridEngine): each GPU's training shard lies inside its generation shard (t_g | t and
+    p_g | p, unless FSDP regroups the GPUs or an MoE copy spans its expert group). Otherwise
+    the engine holds its own copy: any tensor size within a node that tiles the GPUs, and
+    pipeline stages once tensor parallelism fills a node (or the set)."""
+    model = job.model(role)
+    gpn = job.cluster.gpus_per_node
+    generation = space.generation
+    if generation.nested and not (par.sharding == "fsdp" and generation.fsdp_regroups):
+        # One copy of an MoE model spans its tp group, or its wider ep x etp group.
+        shards = gpus if par.sharding == "fsdp" else max(par.tp, par.ep * par.etp) * par.pp
+        must_divide_tp = par.ep == 1
+    else:
+        shards = gpus
+        must_divide_tp = False
+    out = []
+    for gen_tp in powers_of_two(min(gpn, shards)):
+        if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
+            continue
+        if must_divide_tp and par.tp % gen_tp:
+            continue
+        if pins.get("generation_tp", gen_tp) != gen_tp:
+            continue
+        out += [(gen_tp, gen_pp) for gen_pp in _generation_pipelines(
+            model.layers, par, gen_tp, gpus, shards, pins, space, gpn)]
+    return out
+
+
+def _generation_pipelines(layers: int, par: ParallelConfig, gen_tp: int, gpus: int,
+                          shards: int, pins: dict[str, Any], space: FrameworkSpace,
+                          gpn: int) -> list[int]:
+    """pp_g to try for one tp_g (pinned; 1 when the framework's engine runs no pipeline)."""
+    nested = space.generation.nested
+    if "generation_pp" in pins:
+        candidates = [pins["generation_pp"]]
+    elif not space.generation.pipeline_parallel:
+        candidates = [1]
+    elif nested:
+        # Uneven training stages group into generation stages vLLM would cut otherwise (61
+        # on 8 x 2: 32/29, vLLM 31/30): such an engine runs whole.
+        candidates = [p for p in _divisors(par.pp if par.sharding != "fsdp" else 1)
+                      if p <= layers and (p == 1 or layers % par.pp == 0)]
+    else:
+        # A pipeline only once tensor parallelism fills a node (or the set): within a node
+        # tensor parallelism is the cheaper split.
+        candidates = [1] + [p for p in powers_of_two(layers)[1:]
+                            if gen_tp == min(gpn, gpus) and gpus % (gen_tp * p) == 0]
+    return [p for p in candidates if shards % (gen_tp * p) == 0
+            and not (nested and par.sharding != "fsdp" and par.pp % p)]
+
+
+def _verl_minimal_batch(job: JobSpec, role: str, par: ParallelConfig, family: str) -> bool:
+    if role != "actor":
+        return True
+    ranks = par.dp * par.micro_batch_size if family == "megatron" else par.world_size
+    return job.workload.sequences_per_iteration % ranks == 0
+
+
+def _verl_mini_batch_per_rank(job: JobSpec, role: str, par: ParallelConfig,
+                              family: str) -> bool:
+    if role not in job.dataflow.trained_roles:
+        return True
+    work = job.workload
+    mini = work.sequences_per_iteration // work.mini_batches_per_epoch
+    return mini % par.dp == 0
+
+
+def _openrlhf_sample_batches(job: JobSpec, role: str, par: ParallelConfig,
+                             family: str) -> bool:
+    work = job.workload
+    return role != "actor" or \
+        work.sequences_per_iteration // work.infer_micro_batch_size >= par.world_size // par.tp
+
+
+BATCH_CHECKS = {"verl_minimal_batch": _verl_minimal_batch,
+                "verl_mini_batch_per_rank": _verl_mini_batch_per_rank,
+                "openrlhf_sample_batches": _openrlhf_sample_batches}
+"""Each of ``profiles.framework_space.BATCH_RULES`` as a predicate on (job, role, layout)."""
+
+
+def meets_batch_rules(job: JobSpec, role: str, par: ParallelConfig, space: FrameworkSpace,
+                      family: str) -> bool:
+    """Whether the framework's start-up batch checks pass for ``role`` laid out as ``par`` on
+    an engine of ``family``."""
+    return all(BATCH_CHECKS[rule](job, role, par, family) for rule in space.batch_rules)
+
+
+def role_configs(job: JobSpec, role: str, gpus: int,
+                 options: SpaceOptions = SpaceOptions(),
+                 variant: Variant | None = None) -> list[RolePlan]:
+    """Algorithm 2's space for one model on ``gpus`` GPUs, within the job's framework (its
+    engines and their dimensions, ``search_space``) and the job's pins: tp up to a node
+    (dividing the heads), pp dividing the layers, dp = gpus / (tp * pp); trained models also
+    over micro-batch and recompute; the actor also over its generation layout and engine
+    settings."""
+    trained = role in job.dataflow.trained_roles
+    # An actor whose generation runs on a rollout set of its own (asynchronous modes' trainer
+    # side) keeps only its training layout here.
+    generates = "generate" in job.dataflow.operations_of(role) and not job.generation_elsewhere
+    pin = job.parallel.get(role)
+    pins = pin.set_fields() if pin else {}
+    space = search_space(job, options)
+    studies = space is STUDY_SPACE
     vpp = pins.get("vpp", 1)
     overlap_grad, overlap_param = job.overlap_for(role)
-    default_seqs, default_utilization = job.rollout_defaults()
-    seq_caps = (default_seqs,) if "max_num_seqs" in pins else tuple(
-        sorted({default_seqs, *options.max_num_seqs}))
-    utilizations = (default_utilization,) if "gpu_memory_utilization" in pins else tuple(
-        sorted({default_utilization, *options.memory_utilization}))
-    # Megatron layouts with tensor parallelism use sequence parallelism (as verl and NeMo-RL
-    # configure Megatron); the torch backend runs without it.
-    sequence_parallel = pins.get("sequence_parallel", not torch_only)
-    # No generator the executor has runs a pipeline.
-    studies = options.backend == "simulated"
-    generation_pipelines = studies
-
-    def expert_layouts(tp: int, pp: int, sharding: str) -> list[tuple[int, int]]:
-        """(ep, etp) to try: pinned, else for an MoE model every power of two that divides the
-        experts and the stage's tp * dp ranks (within a node the exchange stays on NVLink,
-        beyond it crosses the NICs; not with FSDP)."""
-        if model.moe is None:
-            return [(1, 1)]
-        etp = pins.get("etp", 1)
-        ranks = tp * (gpus // (tp * pp))
-        if "ep" in pins:
-            return [(pins["ep"], etp)] if ranks % (pins["ep"] * etp) == 0 else []
-        if sharding == "fsdp":
-            return [(1, etp)] if ranks % etp == 0 else []
-        return [(ep, etp) for ep in _powers_of_two(min(ranks, model.moe.experts))
-                if model.moe.experts % ep == 0 and ranks % (ep * etp) == 0]
-
-    def serving_eps(gen_tp: int, gen_pp: int) -> list[int]:
-        """Generation ep to try: pinned, else 1 (every replica holds every expert) and, for an
-        MoE model, vLLM's expert parallelism over the largest power of two of the GPUs that
-        the replicas tile."""
-        if "generation_ep" in pins:
-            pinned = pins["generation_ep"]
-            fits = pinned == 1 or (pinned % gen_tp == 0 and gpus % (pinned * gen_pp) == 0)
-            return [pinned] if fits else []
-        if model.moe is None:
-            return [1]
-        widest = max((e for e in _powers_of_two(min(gpus, model.moe.experts))
-                      if e % gen_tp == 0 and model.moe.experts % e == 0
-                      and gpus % (e * gen_pp) == 0), default=1)
-        return sorted({1, widest if widest > gen_tp else 1})
-
     out: list[RolePlan] = []
-    candidates = [(t, p, sh, e) for t, p, sh in layouts for e in expert_layouts(t, p, sh)]
-    for tp, pp, sharding, (ep, etp) in candidates:
-        if vpp > 1 and (pp == 1 or model.layers % (pp * vpp)):  # interleaving: equal chunks
+    for layout in layouts(job, role, gpus, options, variant, pins):
+        # Interleaving runs equal chunks.
+        if vpp > 1 and (layout.pp == 1 or not layout.engine.virtual_pipeline
+                        or job.model(role).layers % (layout.pp * vpp)):
             continue
-        for mbs in micro_batches:
-            for recompute in recomputes:
-                par = ParallelConfig(tp=tp, pp=pp, dp=gpus // (tp * pp), vpp=vpp,
-                                     sharding=sharding, recompute=recompute,  # type: ignore[arg-type]
-                                     sequence_parallel=sequence_parallel if studies else
-                                     sequence_parallel and sharding != "fsdp" and tp > 1,
-                                     micro_batch_size=mbs, overlap_grad_reduce=overlap_grad,
-                                     overlap_param_gather=overlap_param, ep=ep, etp=etp,
-                                     moe_dispatcher=pins.get("moe_dispatcher", "alltoall"))
-                backend = "torch" if torch_runs(par) and (sharding == "fsdp" or torch_only) \
-                    else "megatron"
-                if not generates:
-                    out.append(RolePlan(parallel=par, training_backend=backend))
-                    continue
-                # One copy of an MoE model spans its tp group, or its wider ep x etp group.
-                shards = gpus if sharding == "fsdp" else max(tp, ep * etp) * pp
-                gen_pps = [pins["generation_pp"]] if "generation_pp" in pins else [
-                    p for p in _divisors(pp if sharding != "fsdp" else 1)
-                    if p <= model.layers and (p == 1 or generation_pipelines)
-                    # Uneven training stages group into generation stages vLLM would cut
-                    # otherwise (61 on 8 x 2: 32/29, vLLM 31/30): such an engine runs whole.
-                    and (p == 1 or model.layers % pp == 0)]
-                for gen_tp in _powers_of_two(min(gpn, shards)):
-                    if model.heads % gen_tp or shards % gen_tp or (gpus >= gpn and gpn % gen_tp):
+        engine = layout.engine
+        if studies:
+            sequence_parallel = pins.get("sequence_parallel", True)
+        else:
+            sequence_parallel = pins.get("sequence_parallel", engine.sequence_parallel) \
+                and layout.tp > 1 and layout.sharding != "fsdp"
+        for ep, etp in expert_layouts(job, role, layout, gpus, pins):
+            for mbs in _micro_batches(job, trained, pins, options):
+                for recompute in _recomputes(trained, engine, pins, options, variant):
+                    par = ParallelConfig(
+                        tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
+                        vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
+                        recompute=recompute,  # type: ignore[arg-type]
+                        sequence_parallel=sequence_parallel, micro_batch_size=mbs,
+                        overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
+                        ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"))
+                    if not meets_batch_rules(job, role, par, space, engine.family):
                         continue
-                    if (sharding != "fsdp" or torch_only) and ep == 1 and tp % gen_tp:
+                    backend = "torch" if engine.family == "torch" and torch_runs(par) \
+                        else "megatron"
+                    if not generates:
+                        out.append(RolePlan(parallel=par, training_backend=backend))
                         continue
-                    if pins.get("generation_tp", gen_tp) != gen_tp:
-                        continue
-                    for gen_pp in gen_pps:
-                        if shards % (gen_tp * gen_pp) or (sharding != "fsdp" and pp % gen_pp):
-                            continue
-                        for seqs in seq_caps:
-                            for utilization in utilizations:
-                                for gen_ep in serving_eps(gen_tp, gen_pp):
-                                    gen = GenerationConfig(tp=gen_tp, pp=gen_pp,
-                                                           max_num_seqs=seqs,
-                                                           memory_utilization=utilization,
-                                                           ep=gen_ep)
-                                    out.append(RolePlan(parallel=par, generation=gen,
-                                                        training_backend=backend))
+                    out += [RolePlan(parallel=par, generation=gen, training_backend=backend)
+                            for gen in _generations(job, role, gpus, par, pins, space,
+                                                    options)]
     return out
+
+
+def _micro_batches(job: JobSpec, trained: bool, pins: dict[str, Any],
+                   options: SpaceOptions) -> tuple[int, ...]:
+    if "micro_batch_size" in pins:
+        return (pins["micro_batch_size"],)
+    return options.micro_batches if trained else (job.workload.infer_micro_batch_size,)
+
+
+def _recomputes(trained: bool, engine: EngineSpace, pins: dict[str, Any],
+                options: SpaceOptions, variant: Variant | None) -> tuple[str, ...]:
+    """Recompute settings of a trained model (pinned, else the engine's, narrowed by the
+    options and the framework's one setting for every trained model); a frozen model
+    recomputes nothing (it runs no backward)."""
+    if not trained:
+        return (pins.get("recompute", "none"),)
+    if "recompute" in pins:
+        found: tuple[str, ...] = (pins["recompute"],)
+    elif options.recompute:
+        found = tuple(r for r in options.recompute if r in engine.recompute)
+    else:
+        found = engine.recompute
+    if variant is not None and variant.recompute is not None:
+        found = tuple(r for r in found if r == variant.recompute)
+    return found
+
+
+def _generations(job: JobSpec, role: str, gpus: int, par: ParallelConfig,
+                 pins: dict[str, Any], space: FrameworkSpace,
+                 options: SpaceOptions) -> list[GenerationConfig]:
+    """The actor's generation configs on its training GPUs: layouts x the engine settings the
+    framework exposes (running-batch cap, memory utilization) x expert-parallel serving."""
+    default_seqs, default_utilization = job.rollout_defaults()
+    exposed = space.searchable_rollout
+    seq_caps = (default_seqs,) if "max_num_seqs" in pins or "max_num_seqs" not in exposed \
+        else tuple(sorted({default_seqs, *options.max_num_seqs}))
+    utilizations = (default_utilization,) if "gpu_memory_utilization" in pins \
+        or "gpu_memory_utilization" not in exposed \
+        else tuple(sorted({default_utilization, *options.memory_utilization}))
+    return [GenerationConfig(tp=gen_tp, pp=gen_pp, max_num_seqs=seqs,
+                             memory_utilization=utilization, ep=gen_ep)
+            for gen_tp, gen_pp in generation_shapes(job, role, gpus, par, pins, space)
+            for seqs in seq_caps for utilization in utilizations
+            for gen_ep in serving_eps(job, role, gpus, gen_tp, gen_pp, pins, space)]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from profiles.datafile import SpecError, from_mapping, read_mapping, require
+from profiles.framework_space import FrameworkSpace
 
 FRAMEWORKS_DIR = Path(__file__).resolve().parent / "frameworks"
 """Where the shipped framework profiles live."""
@@ -259,6 +260,9 @@ class FrameworkProfile:
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     fixed_costs: FixedCosts = field(default_factory=FixedCosts)
+    space: FrameworkSpace = field(default_factory=FrameworkSpace)
+    """What the framework can express: the search space of its jobs
+    (``profiles/framework_space.py``)."""
 
     def transition_scheme(self, sharding: str) -> TransitionScheme:
         """The resharding scheme for an actor trained with ``sharding``."""

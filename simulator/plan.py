@@ -355,7 +355,8 @@ class Plan:
                     raise SpecError("the actor needs a generation config", key=f"{key}.generation")
                 if self.rollout is None:
                     rp.generation.check(model, par, gpus_per_node=gpus_per_node,
-                                        key=f"{key}.generation")
+                                        key=f"{key}.generation",
+                                        nested=job.framework_profile.space.generation.nested)
                 else:
                     self._check_rollout(job, model, rp.generation, key=f"{key}.generation")
             elif rp.generation is not None:

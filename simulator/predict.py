@@ -26,7 +26,7 @@ from simulator.costs.weight_sync import WeightSyncCost, weight_sync
 from simulator.packing import PackedBatch, bin_capacity_tokens, pack_stratified_batch
 from simulator.plan import Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
-from simulator.specs.dataflow import CONTROLLER, Node
+from simulator.specs.dataflow import CONTROLLER, RULE_ROLES, Node
 from simulator.specs.job import JobSpec
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
@@ -121,11 +121,15 @@ class PlanEstimate:
 
 
 def node_sequences(job: JobSpec, node: Node) -> float:
-    """Sequences a node processes per iteration."""
+    """Sequences a node processes per iteration: generation and scoring (reward, cost) see
+    every generated prompt, the passes after dynamic sampling's filter only the trained
+    ones."""
     work = job.workload
+    scores = node.operation == "generate" or node.role in RULE_ROLES
+    prompts = work.generated_prompts if scores else work.prompts_per_iteration
     if node.operation == "generate" and node.responses == "greedy":
-        return float(work.prompts_per_iteration)
-    return work.sequences_per_iteration * node.sequences_per_response
+        return float(prompts)
+    return prompts * work.samples_per_prompt * node.sequences_per_response
 
 
 def generation_lengths(job: JobSpec, node: Node, replicas: int) -> ReplicaBatch:

@@ -19,8 +19,10 @@ TINY_SPACE = SpaceOptions(micro_batches=(1,), recompute=("selective",), backend=
 
 
 def tiny_job(groups: list[dict]):
+    # hybridflow: the executor's space places models on any group (frameworks that size their
+    # pools in nodes of one shape keep a plan on one group).
     return job_from_mapping({
-        "algorithm": "ppo",
+        "algorithm": "ppo", "framework": "hybridflow",
         "models": {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-2l",
                    "reward": "tiny-2l"},
         "cluster": {"node_groups": groups},

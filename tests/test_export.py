@@ -47,11 +47,15 @@ def job(algorithm: str = "ppo", gpus: int = 16, **extra: object) -> JobSpec:
 @cache
 def planned(name: str):
     """Planning results of the jobs the tests export (each searched once per session)."""
-    if name == "ppo":
+    if name == "ppo":  # planned in verl's space: it exports to verl as priced
         return plan_job(job("ppo"))
-    if name == "ppo-fsdp":  # every layout OpenRLHF's one ZeRO stage runs
+    if name == "ppo-anywhere":  # the executor's space: every standard placement
+        return plan_job(job("ppo", framework="hybridflow"))
+    if name == "ppo-fsdp":  # planned in OpenRLHF's space (one ZeRO stage, one tp)
+        return plan_job(job("ppo", framework="openrlhf"))
+    if name == "ppo-fsdp-anywhere":  # layouts OpenRLHF's one ZeRO stage runs, any placement
         pins = {r: {"tp": 1, "sharding": "fsdp"} for r in ("actor", "critic", "ref", "reward")}
-        return plan_job(job("ppo", parallel=pins))
+        return plan_job(job("ppo", parallel=pins, framework="hybridflow"))
     if name == "ppo-verl-pools":  # searched within the placements verl can configure
         return plan_job(job("ppo"), SearchOptions(placements=(
             (("actor", "critic", "ref", "reward"),), (("actor", "critic", "ref"), ("reward",)))))
@@ -63,13 +67,11 @@ def planned(name: str):
                             models={"actor": "tiny-4l", "ref": "tiny-4l", "reward": "rule"},
                             reward_function={"path": str(SUMS)},
                             workload={"samples_per_prompt": 4}))
-    if name == "grpo-async-fsdp":  # layouts OpenRLHF's one ZeRO stage runs, any backend
+    if name == "grpo-async-fsdp":  # planned in OpenRLHF's space
         return plan_job(job("grpo", mode="async", max_staleness=2, partial_rollout=True,
                             models={"actor": "tiny-4l", "ref": "tiny-4l", "reward": "rule"},
                             reward_function={"path": str(SUMS)},
-                            workload={"samples_per_prompt": 4},
-                            parallel={"actor": {"tp": 1, "sharding": "fsdp"},
-                                      "ref": {"tp": 1, "sharding": "fsdp"}}))
+                            workload={"samples_per_prompt": 4}, framework="openrlhf"))
     if name == "grpo-moe":  # an MoE actor with expert parallelism in training and serving
         return plan_job(job("grpo", models={"actor": "tiny-moe-2l", "ref": "tiny-moe-2l",
                                             "reward": "rule"},
@@ -167,7 +169,7 @@ def test_verl_searched_within_its_pools_round_trips() -> None:
 
 @pytest.mark.parametrize("which", ["standalone", "split"])
 def test_verl_refuses_a_critic_or_reference_apart_from_the_actor(which: str) -> None:
-    plan = strategy("ppo", which)
+    plan = strategy("ppo-anywhere", which)
     with pytest.raises(SpecError, match="one global pool") as info:
         verl_files(plan, job_of(plan))
     assert info.value.key is not None and info.value.key.startswith("sets[")
@@ -266,7 +268,8 @@ def test_openrlhf_colocate_round_trips() -> None:
         assert openrlhf_round_trip(plan) == plan_layout(plan)
         args = parse_openrlhf_args(openrlhf_files(plan, job_of(plan))["openrlhf_args.txt"])
         assert args["train.colocate_all"] is True
-        assert args["ds.zero_stage"] == "3"
+        assert args["ds.zero_stage"] == {"fsdp": "3", "optimizer": "1"}.get(
+            plan.roles["actor"].parallel.sharding, "1")
         assert args["rollout.batch_size"] == "64"
         assert args["train.batch_size"] == "16"  # 64 sequences in 4 mini-batches
         assert args["algo.advantage.estimator"] == "gae"
@@ -274,7 +277,7 @@ def test_openrlhf_colocate_round_trips() -> None:
 
 @pytest.mark.parametrize("which", ["standalone", "split"])
 def test_openrlhf_refuses_sync_generation_apart_from_colocate_all(which: str) -> None:
-    plan = strategy("ppo-fsdp", which)
+    plan = strategy("ppo-fsdp-anywhere", which)
     with pytest.raises(SpecError, match="colocate_all") as info:
         openrlhf_files(plan, job_of(plan))
     assert info.value.key is not None and info.value.key.startswith("sets[")
@@ -328,7 +331,7 @@ def test_cli_writes_the_files_and_refuses_in_one_line(tmp_path: Path) -> None:
     assert script.stat().st_mode & 0o111
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
 
-    strategy("ppo", "split").save(tmp_path / "split.json")
+    strategy("ppo-anywhere", "split").save(tmp_path / "split.json")
     done = run_cli("export", str(tmp_path / "split.json"), "--to", "verl")
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -21,8 +21,16 @@ def tiny_mixed_job(algorithm: str, models: dict[str, str], groups: list[dict],
                    **cluster: object) -> JobSpec:
     work = {"prompts_per_iteration": 64, "prompt_length": 16, "mini_batches_per_epoch": 2,
             "response_length": {"distribution": "uniform", "min": 4, "max": 32}}
+    # hybridflow: the executor's space places models on any group.
     return job_from_mapping({"algorithm": algorithm, "models": models,
+                             "framework": "hybridflow",
                              "cluster": {"node_groups": groups, **cluster}, "workload": work})
+
+
+def paper_ppo() -> JobSpec:
+    """The default job on the executor's framework, which places models on any group (verl
+    sizes its pools in nodes of one shape: one group per plan)."""
+    return replace(default_job(), framework="hybridflow")
 
 
 def mixed(*groups: tuple[int, str]) -> ClusterSpec:
@@ -30,7 +38,7 @@ def mixed(*groups: tuple[int, str]) -> ClusterSpec:
 
 
 def test_identical_groups_plan_as_one_group() -> None:
-    job = default_job()  # 2 x 8 A100
+    job = paper_ppo()  # 2 x 8 A100
     split = job.with_cluster(mixed((1, "a100-80gb"), (1, "a100-80gb")))
     assert len(split.cluster.pools()) == 1
     one = search(job, SearchOptions(top_k=3))
@@ -60,7 +68,7 @@ MIXED_BRUTE_FORCE_CASES = {
                        [{"nodes": 1, "gpus_per_node": 2, "device": "h100-80gb"},
                         {"nodes": 1, "gpus_per_node": 4, "device": "a100-80gb"}],
                        inter_group_network={"nics_per_node": 1, "nic_bandwidth_gbps": 1}),
-        SpaceOptions(micro_batches=(1,), recompute=("none",), backend="fsdp")),
+        SpaceOptions(micro_batches=(1,), recompute=("selective",), backend="fsdp")),
 }
 
 
@@ -84,7 +92,7 @@ def test_mixed_cluster_beats_each_of_its_single_device_parts() -> None:
     FLOPs: the best plan generates (and trains the actor) on the sixteen H20s while the
     H100 node runs the critic, reference and reward, whose passes are compute-bound. Either
     part alone must run all four models on its own GPUs."""
-    job = default_job()
+    job = paper_ppo()
     h100, h20 = (1, "h100-80gb"), (2, "h20")
     both = search(job.with_cluster(mixed(h100, h20)), SearchOptions(top_k=1)).best
     alone = [search(job.with_cluster(mixed(part)), SearchOptions(top_k=1)).best
@@ -97,7 +105,7 @@ def test_mixed_cluster_beats_each_of_its_single_device_parts() -> None:
 
 
 def test_each_set_is_priced_on_its_own_device() -> None:
-    job = default_job().with_cluster(mixed((1, "h100-80gb"), (1, "h20")))
+    job = paper_ppo().with_cluster(mixed((1, "h100-80gb"), (1, "h20")))
     found = Search(job, SearchOptions(top_k=1)).run(
         placements_to_try=((("actor", "critic", "ref"), ("reward",)),))
     plan = found.best.to_plan(job)
@@ -111,7 +119,7 @@ def test_each_set_is_priced_on_its_own_device() -> None:
 
 
 def test_batches_between_groups_cross_the_slower_link() -> None:
-    base = default_job()
+    base = paper_ppo()
     groups = (NodeGroup(nodes=1, device="a100-80gb"), NodeGroup(nodes=1, device="h100-80gb"))
     fast = base.with_cluster(ClusterSpec(node_groups=groups))
     slow = base.with_cluster(ClusterSpec(node_groups=groups, inter_group_network=Network(
@@ -132,7 +140,7 @@ def test_batches_between_groups_cross_the_slower_link() -> None:
 
 
 def test_plan_file_names_each_sets_group(tmp_path) -> None:
-    job = default_job().with_cluster(mixed((1, "h100-80gb"), (2, "h20")))
+    job = paper_ppo().with_cluster(mixed((1, "h100-80gb"), (2, "h20")))
     best = search(job, SearchOptions(top_k=1)).best
     plan = best.to_plan(job)
     path = tmp_path / "plan.json"
@@ -143,7 +151,7 @@ def test_plan_file_names_each_sets_group(tmp_path) -> None:
 
 
 def test_a_set_outside_its_group_is_refused() -> None:
-    job = default_job().with_cluster(mixed((1, "h100-80gb"), (1, "h20")))
+    job = paper_ppo().with_cluster(mixed((1, "h100-80gb"), (1, "h20")))
     plan = search(job, SearchOptions(top_k=1)).best.to_plan(job)
     value = plan.to_value()
     value["sets"][0]["node_group"] = 5

@@ -5,6 +5,7 @@ the search offers such sizes and the verl export writes Megatron's first/last st
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_uneven_stages_are_accepted_in_pins_and_generation():
     assert "parallel.actor.generation_pp" in str(info.value)
 
 
-def test_the_search_offers_uneven_pipelines_to_the_simulator_only():
+def test_uneven_pipelines_where_the_framework_cuts_them():
     # 32 stages of 61 layers would leave Megatron's first or last stage empty.
     assert pipeline_sizes(61) == [1, 2, 4, 8, 16, 61]
     assert pipeline_sizes(32) == [1, 2, 4, 8, 16, 32]
@@ -92,7 +93,11 @@ def test_the_search_offers_uneven_pipelines_to_the_simulator_only():
     simulated = {c.parallel.pp for c in role_configs(
         job, "actor", 512, SpaceOptions(backend="simulated"))}
     assert {8, 16} <= simulated
-    # The executor's Megatron path cuts equal stages only.
-    executable = {c.parallel.pp for c in role_configs(
+    # verl's Megatron engine takes Megatron's first/last stage sizes; the executor's Megatron
+    # path cuts equal stages only.
+    verl = {c.parallel.pp for c in role_configs(
         job, "actor", 512, SpaceOptions(backend="megatron"))}
+    assert {8, 16} <= verl
+    executable = {c.parallel.pp for c in role_configs(
+        replace(job, framework="hybridflow"), "actor", 512, SpaceOptions(backend="megatron"))}
     assert executable <= {1, 61}

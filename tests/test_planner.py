@@ -16,6 +16,7 @@ from simulator.specs.presets import MODEL_PRESETS
 
 
 def tiny_job(algorithm: str, models: dict[str, str], gpus: int, device: str = "a100-80gb",
+             framework: str = "hybridflow",
              **workload: object) -> JobSpec:
     work: dict[str, object] = {
         "prompts_per_iteration": 64, "prompt_length": 16, "mini_batches_per_epoch": 2,
@@ -24,12 +25,13 @@ def tiny_job(algorithm: str, models: dict[str, str], gpus: int, device: str = "a
     return job_from_mapping({"algorithm": algorithm, "models": models,
                              "cluster": {"nodes": max(1, gpus // 8),
                                          "gpus_per_node": min(8, gpus), "device": device},
-                             "workload": work})
+                             "workload": work, "framework": framework})
 
 
-def with_model(job: JobSpec, model: str, gpus: int) -> JobSpec:
+def with_model(job: JobSpec, model: str, gpus: int, framework: str | None = None) -> JobSpec:
     resized = job.with_cluster(job.cluster.with_total_gpus(gpus))
-    return replace(resized, models={r: MODEL_PRESETS[model] for r in job.models})
+    return replace(resized, models={r: MODEL_PRESETS[model] for r in job.models},
+                   framework=framework or job.framework)
 
 
 BRUTE_FORCE_CASES = {
@@ -48,8 +50,8 @@ BRUTE_FORCE_CASES = {
         replace(with_model(replace(default_job(), workload=replace(
             default_job().workload, prompts_per_iteration=256, prompt_length=512,
             response_length=default_job().workload.response_length.fixed(512))),
-            "llama2-7b", 16), parallel={"ref": RolePin(sharding="fsdp"),
-                                        "reward": RolePin(sharding="fsdp")}),
+            "llama2-7b", 16, "hybridflow"), parallel={"ref": RolePin(sharding="fsdp"),
+                                                      "reward": RolePin(sharding="fsdp")}),
         SpaceOptions(micro_batches=(2,), recompute=("selective",), backend="fsdp")),
     "safe-rlhf, five models, 8 GPUs": (
         replace(tiny_job("safe-rlhf", {r: "tiny-2l" for r in ("actor", "critic", "ref",
@@ -60,7 +62,7 @@ BRUTE_FORCE_CASES = {
     "remax, calibrated cpu profile, 4 GPUs": (
         tiny_job("remax", {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "tiny-2l"}, 4,
                  device="cpu-2core-calibrated", dtype="fp32", prompts_per_iteration=16),
-        SpaceOptions(micro_batches=(4,), recompute=("none",), backend="fsdp")),
+        SpaceOptions(micro_batches=(4,), recompute=("selective",), backend="fsdp")),
 }
 
 
@@ -144,8 +146,9 @@ def test_every_ranked_plan_fits_and_stays_within_the_cluster() -> None:
                                            ("llama2-70b", 32)])
 def test_colocate_wins_on_small_clusters(model: str, gpus: int) -> None:
     # Four equal models on about the fewest GPUs that hold them: giving each model its own
-    # GPUs does not fit, and sharing all GPUs beats splitting them.
-    job = with_model(default_job(), model, gpus)
+    # GPUs does not fit, and sharing all GPUs beats splitting them (on a framework that can
+    # place the models apart).
+    job = with_model(default_job(), model, gpus, "hybridflow")
     result = plan_job(job, SearchOptions(top_k=2))
     assert result.best is not None
     assert result.best.plan.placement == "actor,critic,ref,reward"
@@ -155,7 +158,7 @@ def test_colocate_wins_on_small_clusters(model: str, gpus: int) -> None:
 
 
 def test_infeasible_job_names_the_smallest_cluster_and_the_memory() -> None:
-    job = with_model(default_job(), "llama2-70b", 8)
+    job = with_model(default_job(), "llama2-70b", 8, "hybridflow")
     result = plan_job(job)
     assert result.best is None and result.ranking == ()
     assert "does not fit on 8 x a100-80gb" in result.infeasible_reason
@@ -172,24 +175,30 @@ def test_pinned_roles_are_respected() -> None:
     assert actor.parallel.tp == 4 and actor.generation.tp == 2
 
 
-def test_any_backend_plans_only_what_the_installed_backends_run(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_framework_not_the_installed_engines_decides_the_layouts() -> None:
     import planner.space as space
     from simulator.plan import megatron_runs, torch_runs
 
     job = tiny_job("ppo", {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-4l",
                            "reward": "tiny-4l"}, 8)
-    monkeypatch.setattr(space, "megatron_installed", lambda: False)
-    torch_only = space.role_configs(job, "actor", 8)
-    assert torch_only and all(p.training_backend == "torch" and torch_runs(p.parallel)
-                              for p in torch_only)
-    monkeypatch.setattr(space, "megatron_installed", lambda: True)
+    # hybridflow (the executor): both backends, whether megatron-core is installed here or
+    # not; generation on the training shards, no generation pipeline.
     both = space.role_configs(job, "actor", 8)
     assert {p.training_backend for p in both} == {"torch", "megatron"}
     for plan in both:
         runs = torch_runs if plan.training_backend == "torch" else megatron_runs
-        assert runs(plan.parallel) and plan.generation.pp == 1  # no generator runs a pipeline
+        assert runs(plan.parallel) and plan.generation.pp == 1
+        assert plan.parallel.tp % plan.generation.tp == 0
     assert any(p.parallel.pp > 1 for p in both)
+    torch_only = space.role_configs(job, "actor", 8, SpaceOptions(backend="fsdp"))
+    assert torch_only and all(p.training_backend == "torch" for p in torch_only)
+    # verl: its FSDP engine has no tensor parallelism; vLLM takes any generation tp.
+    verl = replace(job, framework="verl")
+    layouts = space.role_configs(verl, "actor", 8)
+    fsdp = [p for p in layouts if p.parallel.sharding == "fsdp"]
+    assert fsdp and all(p.parallel.tp == 1 for p in fsdp)
+    assert any(p.generation.tp > p.parallel.tp for p in layouts)
+    assert {p.parallel.recompute for p in fsdp} == {"full", "none"}
     # Studies of the simulator see every layout it prices.
     studied = space.role_configs(job, "actor", 8, SpaceOptions(backend="simulated"))
     assert any(p.generation.pp > 1 for p in studied)
@@ -199,6 +208,20 @@ def test_any_backend_plans_only_what_the_installed_backends_run(
                                                         recompute=("selective",)))).best
     assert best is not None
     best.to_plan(job).check_backends()
+
+
+def test_a_verl_search_keeps_one_engine_and_its_placements() -> None:
+    job = tiny_job("ppo", {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-4l",
+                           "reward": "tiny-4l"}, 16, framework="verl")
+    result = search(job, SearchOptions(top_k=5, space=SpaceOptions(micro_batches=(1,))))
+    assert result.ranking
+    for candidate in result.ranking:
+        plan = candidate.to_plan(job)
+        assert plan.placement in ("actor,critic,ref,reward", "actor,critic,ref|reward")
+        shardings = {plan.roles[r].parallel.sharding for r in ("actor", "critic")}
+        backends = {plan.roles[r].training_backend for r in ("actor", "critic", "ref")}
+        assert len(backends) == 1, plan.describe()
+        assert not ("fsdp" in shardings and "optimizer" in shardings)
 
 
 def test_forward_passes_and_transitions_do_not_read_the_training_micro_batch_or_recompute(

@@ -13,7 +13,7 @@ and parallel sizes, so the tests can check that an export round-trips.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from profiles.datafile import SpecError, write_text_atomic
@@ -44,6 +44,47 @@ class Layout:
     """MoE: (role, (ep, etp)) of the roles with expert parallelism, sorted by role."""
     generation_ep: int = 1
     """MoE: the actor's expert-parallel serving size."""
+
+
+@dataclass(slots=True)
+class Translation:
+    """How an export follows the plan. Exact (the plan was made in the target framework's own
+    space): a setting the framework cannot express is refused, naming the plan key and the
+    value that would work. Otherwise (a plan made for another framework) the nearest setting
+    is written and each difference from what was priced is listed in ``notes``."""
+
+    target: str
+    """The framework written for (verl, openrlhf)."""
+    exact: bool
+    notes: list[str] = field(default_factory=list)
+
+    def differ(self, problem: str, *, key: str, fix: str, written: str) -> None:
+        """``problem`` with the plan at ``key``: refused (naming ``fix``) when exact, else
+        noted (``written`` is what the export writes instead)."""
+        if self.exact:
+            raise SpecError(f"{problem}; {fix}", key=key)
+        self.notes.append(f"{key}: {problem}; written as {written} (priced otherwise)")
+
+
+def translation_for(job: JobSpec, target: str) -> Translation:
+    """Exact when the job's framework has the target's search space (the target's own profile
+    or one based on it), else a translation."""
+    from profiles.framework import load_framework
+
+    exact = job.framework_profile.space == load_framework(target).space
+    return Translation(target=target, exact=exact)
+
+
+def notes_comment(job: JobSpec, translation: Translation) -> str:
+    """The script header's lines on how exactly the export follows the plan."""
+    if translation.exact:
+        return (f"# Every setting the plan's price assumed is written below (framework "
+                f"{job.framework}).\n")
+    lines = [f"# The plan was priced for framework {job.framework}, not {translation.target}; "
+             "plan the job with", f"# framework: {translation.target} for a price of this run. "
+             "Written differently from the plan:"]
+    lines += [f"#   {note}" for note in translation.notes] or ["#   (nothing)"]
+    return "\n".join(lines) + "\n"
 
 
 def plan_layout(plan: Plan) -> Layout:
@@ -77,18 +118,19 @@ def set_key(plan: Plan, roles: tuple[str, ...]) -> str:
     return f"sets[{plan.set_index(roles[0])}]"
 
 
-def export_files(plan: Plan, job: JobSpec, target: str, *, plan_name: str = "plan.json"
-                 ) -> dict[str, str]:
+def export_files(plan: Plan, job: JobSpec, target: str, *, plan_name: str = "plan.json",
+                 translation: Translation | None = None) -> dict[str, str]:
     """File name -> text of the export of ``plan`` to ``target`` (raises SpecError, naming
-    the part of the plan, when the framework cannot express it)."""
+    the part of the plan, when the framework cannot express it; ``translation`` collects how
+    a plan made for another framework was written differently)."""
     if target == "verl":
         from planner.export.verl import verl_files
 
-        return verl_files(plan, job, plan_name=plan_name)
+        return verl_files(plan, job, plan_name=plan_name, translation=translation)
     if target == "openrlhf":
         from planner.export.openrlhf import openrlhf_files
 
-        return openrlhf_files(plan, job, plan_name=plan_name)
+        return openrlhf_files(plan, job, plan_name=plan_name, translation=translation)
     raise SpecError(f"unknown target {target!r} (choose {' or '.join(TARGETS)})", key="--to")
 
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import shlex
 
-from planner.export import Layout, nodes_of, read_argument_lines, set_key
+from planner.export import (
+    Layout,
+    Translation,
+    nodes_of,
+    notes_comment,
+    read_argument_lines,
+    set_key,
+    translation_for,
+)
 from planner.export.verl import model_path
 from profiles.datafile import SpecError
 from simulator.plan import Plan
@@ -60,37 +68,89 @@ def _placement_flags(plan: Plan, job: JobSpec) -> list[str]:
     return flags
 
 
-def _deepspeed(plan: Plan) -> list[str]:
-    """One ZeRO stage and one AutoTP size for every model."""
+def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
+    """One ZeRO stage and one AutoTP size for every model; frozen models sharded exactly
+    when training is ZeRO-3."""
     for role, rp in plan.roles.items():
         if rp.parallel.pp > 1:
             raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no pipeline parallelism "
-                            f"({role}: {rp.parallel.short()})", key=f"roles.{role}.parallel.pp")
+                            f"({role}: {rp.parallel.short()}); set pp: 1",
+                            key=f"roles.{role}.parallel.pp")
     tps = {role: rp.parallel.tp for role, rp in plan.roles.items()}
     if len(set(tps.values())) > 1:
         shown = ", ".join(f"{r} tp={t}" for r, t in tps.items())
         raise SpecError(f"OpenRLHF 0.11 uses one --ds.tensor_parallel_size for every model; the "
-                        f"plan has {shown}", key="roles")
-    trained = {r: plan.roles[r].parallel.sharding for r in ("actor", "critic") if r in plan.roles}
+                        f"plan has {shown}: give every role tp={tps['actor']}", key="roles")
+    trained = {r: plan.roles[r].parallel.sharding for r in ("actor", "critic")
+               if r in plan.roles and plan.roles[r].parallel.dp > 1}
     if len(set(trained.values())) > 1:
         shown = ", ".join(f"{r} {s}" for r, s in trained.items())
         raise SpecError(f"OpenRLHF 0.11 uses one --ds.zero_stage for every trained model; the "
-                        f"plan has {shown}", key="roles")
-    stage = ZERO_STAGE[trained["actor"]]
-    # Frozen models run DeepSpeed inference: ZeRO-3 when training uses it, else whole copies.
+                        f"plan has {shown}: give both sharding {trained['actor']}", key="roles")
+    # One data-parallel rank shards nothing at any stage: ZeRO-1 then, which (unlike stage 0)
+    # has the optimizer wrapper --ds.enable_sleep offloads.
+    stage = ZERO_STAGE[next(iter(trained.values()), "optimizer")] or 1
     frozen = "fsdp" if stage == 3 else "none"
     for role, rp in plan.roles.items():
-        if role not in trained and rp.parallel.sharding != frozen:
-            raise SpecError(f"OpenRLHF 0.11 shards frozen models only with ZeRO-3 training "
-                            f"(--ds.zero_stage={stage}); {role} has sharding "
-                            f"{rp.parallel.sharding}, expected {frozen}",
-                            key=f"roles.{role}.parallel.sharding")
+        if role not in ("actor", "critic") and rp.parallel.sharding != frozen \
+                and rp.parallel.dp > 1:
+            translation.differ(
+                f"OpenRLHF 0.11 shards frozen models exactly when training is ZeRO-3 "
+                f"(--ds.zero_stage={stage}); {role} has sharding {rp.parallel.sharding}",
+                key=f"roles.{role}.parallel.sharding", fix=f"set sharding: {frozen}",
+                written=f"sharding {frozen}")
     return [f"--ds.zero_stage={stage}", f"--ds.tensor_parallel_size={tps['actor']}"]
 
 
-def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
+def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list[str]:
+    """What the price assumed beyond the layouts: recompute, unpadded (packed) sequences,
+    the rollout engine's graphs and running-batch cap, gradient overlap, the KL term and
+    dynamic sampling."""
+    out = ["--ds.packing_samples"]  # priced at the real tokens, no padding
+    recomputes = {plan.roles[r].parallel.recompute for r in ("actor", "critic")
+                  if r in plan.roles}
+    if "selective" in recomputes or len(recomputes) > 1:
+        translation.differ("OpenRLHF 0.11 checkpoints every layer or none, for every trained "
+                           f"model (--actor.gradient_checkpointing_enable); the plan has "
+                           f"recompute {', '.join(sorted(recomputes))}",
+                           key="roles.actor.parallel.recompute",
+                           fix="give the trained models recompute full or none",
+                           written="full")
+        recomputes = {"full"}
+    if recomputes != {"none"}:
+        out.append("--actor.gradient_checkpointing_enable")
+    actor = plan.roles["actor"]
+    gen = actor.generation
+    assert gen is not None
+    profile = job.framework_profile
+    if not profile.rollout.cuda_graphs:
+        out.append("--vllm.enforce_eager")
+    from profiles.framework import load_framework
+
+    default_seqs = load_framework("openrlhf").rollout.max_num_seqs
+    if gen.max_num_seqs != default_seqs:
+        translation.differ(f"OpenRLHF 0.11 has no max_num_seqs argument: its vLLM engines run "
+                           f"{default_seqs} sequences at most; the plan has {gen.max_num_seqs}",
+                           key="roles.actor.generation.max_num_seqs",
+                           fix=f"set max_num_seqs: {default_seqs}", written=str(default_seqs))
+    if actor.parallel.overlap_grad_reduce and actor.parallel.sharding != "fsdp":
+        out.append("--ds.overlap_comm")
+    term = job.kl_term
+    if term == "none":
+        out.append("--algo.kl.init_coef=0")  # no reference model (train_ppo_ray.py train())
+    elif term == "loss":
+        out += ["--algo.kl.use_loss", "--algo.kl.estimator=k3"]
+    if job.workload.generates_more_than_it_trains:
+        out.append("--algo.dynamic_filtering_enable")
+    return out
+
+
+def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = None
+                  ) -> list[str]:
     """The arguments of ``train_ppo_ray`` for ``plan``; SpecError if OpenRLHF 0.11 cannot
-    express it."""
+    express it (a plan made for another framework is translated: ``translation`` collects
+    the differences)."""
+    translation = translation or translation_for(job, "openrlhf")
     if job.algorithm not in ESTIMATOR:
         raise SpecError(f"OpenRLHF 0.11 has no {job.algorithm} trainer (estimators: gae and "
                         "group baselines; no ReMax greedy baseline, no cost model)",
@@ -116,7 +176,7 @@ def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
         nodes, per_node = nodes_of(plan.set_of(role).gpus, gpn)
         out += [f"--{role}.num_nodes={nodes}", f"--{role}.num_gpus_per_node={per_node}"]
     out += flags
-    out += _deepspeed(plan)
+    out += _deepspeed(plan, translation)
     sequences = work.sequences_per_iteration
     if sequences % work.mini_batches_per_epoch:
         raise SpecError(f"{sequences} sequences do not split into {work.mini_batches_per_epoch} "
@@ -138,8 +198,7 @@ def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
         f"--vllm.tensor_parallel_size={gen.tp}",
         f"--vllm.gpu_memory_utilization={gen.memory_utilization:g}",
     ]
-    if job.algorithm == "grpo":
-        out += ["--algo.kl.use_loss", "--algo.kl.estimator=k3"]
+    out += _priced_settings(plan, job, translation)
     if "critic" in plan.roles:
         out.append(f"--critic.model_name_or_path={model_path(job, 'critic')}")
     if job.models.get("reward") == RULE:
@@ -159,12 +218,15 @@ def openrlhf_args(plan: Plan, job: JobSpec) -> list[str]:
     return out
 
 
-def openrlhf_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json") -> dict[str, str]:
-    args = openrlhf_args(plan, job)
+def openrlhf_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json",
+                   translation: Translation | None = None) -> dict[str, str]:
+    translation = translation or translation_for(job, "openrlhf")
+    args = openrlhf_args(plan, job, translation)
+    notes = notes_comment(job, translation)
     script = f"""#!/usr/bin/env bash
 # Runs {plan_name} ({plan.strategy or 'plan'}: {plan.describe()}, mode {plan.mode_label()})
 # with OpenRLHF {OPENRLHF_VERSION}. Written by `hybridflow export --to openrlhf`.
-# Extra arguments after the script's name come last and win, e.g.
+{notes}# Extra arguments after the script's name come last and win, e.g.
 #   bash {SCRIPT_FILE} --actor.model_name_or_path=/ckpt/actor --data.prompt_dataset=/data/prompts
 # Start Ray on the nodes first (`ray start`); OpenRLHF's placement groups land on them.
 set -euo pipefail

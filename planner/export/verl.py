@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import shlex
 
-from planner.export import Layout, nodes_of, read_argument_lines, set_key
+from planner.export import (
+    Layout,
+    Translation,
+    nodes_of,
+    notes_comment,
+    read_argument_lines,
+    set_key,
+    translation_for,
+)
 from profiles.datafile import SpecError
 from simulator.plan import Plan, RolePlan
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.model import ModelSpec
-from simulator.specs.parallel import ParallelConfig, outer_stage_layers
+from simulator.specs.parallel import GenerationConfig, ParallelConfig, outer_stage_layers
 
 VERL_VERSION = "0.9.1"
 """The verl release the overrides are written for (and tested against)."""
@@ -55,18 +63,26 @@ ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 def _engine(plan: Plan, job: JobSpec) -> str:
     """fsdp or megatron: verl 0.9 runs actor, reference and critic on one engine family, so
     the layouts must agree on it (tensor or pipeline parallelism and the distributed
-    optimizer need Megatron; FSDP sharding needs FSDP)."""
-    megatron = [r for r in ("actor", "critic", "ref") if r in plan.roles and (
-        plan.roles[r].parallel.tp > 1 or plan.roles[r].parallel.pp > 1
-        or plan.roles[r].parallel.sharding == "optimizer")]
-    fsdp = [r for r in ("actor", "critic", "ref") if r in plan.roles
-            and plan.roles[r].parallel.sharding == "fsdp"]
+    optimizer need Megatron; FSDP sharding needs FSDP; otherwise the roles' backends say)."""
+    roles = [r for r in SHARED_ROLES if r in plan.roles]
+    megatron = [r for r in roles if plan.roles[r].parallel.tp > 1
+                or plan.roles[r].parallel.pp > 1 or plan.roles[r].parallel.sharding == "optimizer"]
+    fsdp = [r for r in roles if plan.roles[r].parallel.sharding == "fsdp"]
     if megatron and fsdp:
         raise SpecError(f"verl 0.9 runs actor, reference and critic on one engine: "
                         f"{plan.roles[megatron[0]].parallel.short()} of {megatron[0]} needs "
-                        f"Megatron, {plan.roles[fsdp[0]].parallel.short()} of {fsdp[0]} FSDP",
+                        f"Megatron, {plan.roles[fsdp[0]].parallel.short()} of {fsdp[0]} FSDP; "
+                        f"give {fsdp[0]} a Megatron layout (sharding: optimizer) or "
+                        f"{megatron[0]} an FSDP one (tp 1, pp 1, sharding: fsdp)",
                         key=f"roles.{fsdp[0]}.parallel")
-    return "megatron" if megatron else "fsdp"
+    if megatron or fsdp:
+        return "megatron" if megatron else "fsdp"
+    backends = {plan.roles[r].training_backend for r in roles}
+    return "megatron" if backends == {"megatron"} else "fsdp"
+
+
+SHARED_ROLES = ("actor", "critic", "ref")
+"""The roles verl 0.9 runs on one engine (one Hydra config per engine)."""
 
 
 def _check_placement(plan: Plan, job: JobSpec) -> None:
@@ -79,7 +95,8 @@ def _check_placement(plan: Plan, job: JobSpec) -> None:
         if s.roles != ("reward",):
             raise SpecError(f"verl 0.9 places actor, rollout, reference and critic on one "
                             f"global pool (only the reward model may have its own): this set "
-                            f"puts {s.label()} apart from the actor", key=set_key(plan, s.roles))
+                            f"puts {s.label()} apart from the actor; plan the job with "
+                            "framework: verl", key=set_key(plan, s.roles))
     if plan.rollout is not None and "reward" in actor_set.roles:
         raise SpecError("verl 0.9's asynchronous trainers do not colocate the reward model "
                         "with the trainer (reward.reward_model.enable_resource_pool=True is "
@@ -102,24 +119,69 @@ def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key:
     if engine == "fsdp":
         if par.tp > 1 or par.pp > 1:
             raise SpecError(f"verl 0.9's FSDP engine has no tensor or pipeline parallelism "
-                            f"({role}: {par.short()}); train it with Megatron (training_backend: "
-                            "megatron)", key=key)
+                            f"({role}: {par.short()}); set tp: 1 and pp: 1, or train every "
+                            "model with Megatron (sharding: optimizer)", key=key)
         # fsdp_size: the sharding group; 1 keeps whole replicas (plain data parallelism).
         return [f"{prefix}.{fsdp_key}.fsdp_size={par.dp if par.sharding == 'fsdp' else 1}"]
     if par.sharding == "fsdp":
         raise SpecError(f"verl 0.9's Megatron engine shards optimizer states, not FSDP-style "
-                        f"({role}: {par.short()})", key=f"{key}.sharding")
+                        f"({role}: {par.short()}); set sharding: optimizer",
+                        key=f"{key}.sharding")
     return [
         f"{prefix}.megatron.tensor_model_parallel_size={par.tp}",
         f"{prefix}.megatron.pipeline_model_parallel_size={par.pp}",
         f"{prefix}.megatron.virtual_pipeline_model_parallel_size="
         f"{par.vpp if par.vpp > 1 else 'null'}",
+        f"{prefix}.megatron.context_parallel_size=1",
         f"{prefix}.megatron.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",
         f"{prefix}.megatron.use_distributed_optimizer={_bool(par.sharding == 'optimizer')}",
+        # The price counts real tokens (no padding): packed THD sequences.
+        f"{prefix}.megatron.use_remove_padding=true",
     ] + ([f"{prefix}.megatron.expert_model_parallel_size={par.ep}",
           # Megatron's default for an unset expert tensor size is the tp size: always say it.
           f"{prefix}.megatron.expert_tensor_parallel_size={par.etp}"] if moe else []
          ) + _uneven_stages(role, par, model, prefix)
+
+
+def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_prefix: str,
+                       job: JobSpec, translation: Translation) -> list[str]:
+    """What a trained model's price assumed beyond its layout: recompute, unpadded
+    micro-batches of whole sequences (no token budget, no Ulysses), the framework's offload
+    and, with Megatron, the gradient overlap."""
+    par = rp.parallel
+    offload = job.framework_profile.offload
+    key = f"roles.{role}.parallel.recompute"
+    if engine == "fsdp":
+        recompute = par.recompute
+        if recompute == "selective":
+            translation.differ("verl's FSDP engine recomputes every layer or none "
+                               "(enable_gradient_checkpointing), not the attention core alone",
+                               key=key, fix="set recompute: full or none", written="full")
+            recompute = "full"
+        fsdp = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
+        sequence = f"{prefix}.ulysses_sequence_parallel_size=1"
+        return [f"{model_prefix}.enable_gradient_checkpointing={_bool(recompute != 'none')}",
+                f"{model_prefix}.use_remove_padding=true",
+                f"{prefix}.use_dynamic_bsz=false", sequence,
+                f"{fsdp}.param_offload={_bool(offload.params)}",
+                f"{fsdp}.optimizer_offload={_bool(offload.optimizer)}"]
+    override = f"{prefix}.megatron.override_transformer_config"
+    recompute = {
+        "none": [f"{override}.recompute_granularity=null"],
+        "selective": [f"{override}.recompute_granularity=selective",
+                      f"{override}.recompute_modules=[core_attn]"],
+        "full": [f"{override}.recompute_granularity=full",
+                 f"{override}.recompute_method=uniform", f"{override}.recompute_num_layers=1"],
+    }[par.recompute]
+    ddp = f"+{prefix}.megatron.override_ddp_config"
+    return [
+        *recompute,
+        f"{prefix}.use_dynamic_bsz=false",
+        f"{prefix}.megatron.param_offload={_bool(offload.params)}",
+        f"{prefix}.megatron.optimizer_offload={_bool(offload.optimizer)}",
+        f"{ddp}.overlap_grad_reduce={_bool(par.overlap_grad_reduce)}",
+        f"{ddp}.overlap_param_gather={_bool(par.overlap_param_gather)}",
+    ]
 
 
 def _uneven_stages(role: str, par: ParallelConfig, model: ModelSpec, prefix: str) -> list[str]:
@@ -151,9 +213,13 @@ def model_path(job: JobSpec, role: str) -> str:
     return f"models/{job.model(role).name}"
 
 
-def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
+def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = None
+                   ) -> tuple[str, str, list[str]]:
     """(entry module, config name, overrides) for ``plan``; SpecError if verl 0.9 cannot
-    express it."""
+    express it. Every setting the price assumed is written (none is left to verl's
+    defaults); a plan made for another framework is translated (``translation`` collects
+    the differences)."""
+    translation = translation or translation_for(job, "verl")
     if job.algorithm not in ESTIMATOR:
         raise SpecError(f"verl 0.9 has no {job.algorithm} trainer (estimators: gae, grpo, "
                         "remax; no cost model)", key="algorithm")
@@ -166,7 +232,9 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
     if mode != "sync":
         out.append(SEARCHPATH)
     nodes, per_node = nodes_of(plan.set_of("actor").gpus, gpn)
-    out += [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={per_node}"]
+    out += [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={per_node}",
+            # The price spreads a batch's tokens evenly over the data-parallel ranks.
+            "trainer.balance_batch=true"]
 
     # Batch: verl counts train_batch_size and ppo_mini_batch_size in prompts (times rollout.n
     # responses each); the plan splits prompts x samples into mini_batches_per_epoch.
@@ -191,11 +259,10 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
     ]
     out += _role_layout("actor", actor, engine, "actor_rollout_ref.actor", fsdp_key="fsdp_config",
                         model=job.model("actor"))
-    # The reference pass is what makes verl build a reference worker: a KL loss (GRPO) or a
-    # KL penalty in the reward (PPO, ReMax).
+    out += _training_settings("actor", actor, engine, "actor_rollout_ref.actor",
+                              "actor_rollout_ref.model", job, translation)
+    out += _kl(plan, job)
     if "ref" in plan.roles:
-        out.append("actor_rollout_ref.actor.use_kl_loss=true" if job.algorithm == "grpo"
-                   else "algorithm.use_kl_in_reward=true")
         ref = plan.roles["ref"]
         out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
                    f"{ref.parallel.micro_batch_size}")
@@ -207,25 +274,19 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
                             key="roles.ref.parallel.pp")
         out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
                             model=job.model("ref"))
-    out += [
-        "actor_rollout_ref.rollout.name=vllm",
-        f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
-        f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen.tp}",
-        f"actor_rollout_ref.rollout.pipeline_model_parallel_size={gen.pp}",
-        *([f"actor_rollout_ref.rollout.expert_parallel_size={gen.ep}",
-           f"actor_rollout_ref.rollout.data_parallel_size={gen.ep // gen.tp}"]
-          if gen.ep > 1 else []),
-        f"actor_rollout_ref.rollout.gpu_memory_utilization={gen.memory_utilization:g}",
-        f"actor_rollout_ref.rollout.max_num_seqs={gen.max_num_seqs}",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
-        f"{work.infer_micro_batch_size}",
-    ]
+        out.append(f"actor_rollout_ref.ref.{'fsdp_config' if engine == 'fsdp' else 'megatron'}"
+                   ".param_offload=false")
+    out += _rollout(plan, job, gen)
     if "critic" in plan.roles:
         critic = plan.roles["critic"]
         out += [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
                 f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
+        if engine == "fsdp":
+            out.append(f"critic.forward_micro_batch_size_per_gpu={work.infer_micro_batch_size}")
         out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp",
                             model=job.model("critic"))
+        out += _training_settings("critic", critic, engine, "critic", "critic.model", job,
+                                  translation)
     out += _reward(plan, job, gpn)
     if plan.rollout is not None:
         r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)
@@ -241,6 +302,49 @@ def verl_overrides(plan: Plan, job: JobSpec) -> tuple[str, str, list[str]]:
             f"async_training.partial_rollout={_bool(plan.partial_rollout)}",
         ]
     return ENTRY[mode], CONFIG[(mode, engine)], out
+
+
+def _kl(plan: Plan, job: JobSpec) -> list[str]:
+    """Both KL switches, always: verl builds a reference worker when either is on
+    (need_reference_policy), which is what the plan's reference pass prices."""
+    term = job.kl_term
+    if term != "none" and "ref" not in plan.roles:
+        raise SpecError(f"kl: {term} needs a reference model, which the plan does not place",
+                        key="roles.ref")
+    return [f"actor_rollout_ref.actor.use_kl_loss={_bool(term == 'loss')}",
+            f"algorithm.use_kl_in_reward={_bool(term == 'reward')}"]
+
+
+def _rollout(plan: Plan, job: JobSpec, gen: GenerationConfig) -> list[str]:
+    """The vLLM engine as priced: its layout and limits, CUDA graphs, sleeping between
+    iterations, the old-log-prob recompute and dynamic sampling's filter."""
+    work = job.workload
+    profile = job.framework_profile
+    rollout = profile.rollout
+    recompute_old = profile.passes.old_log_prob_in(plan.mode)
+    out = [
+        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen.tp}",
+        f"actor_rollout_ref.rollout.pipeline_model_parallel_size={gen.pp}",
+        *([f"actor_rollout_ref.rollout.expert_parallel_size={gen.ep}",
+           f"actor_rollout_ref.rollout.data_parallel_size={gen.ep // gen.tp}"]
+          if gen.ep > 1 else []),
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={gen.memory_utilization:g}",
+        f"actor_rollout_ref.rollout.max_num_seqs={gen.max_num_seqs}",
+        f"actor_rollout_ref.rollout.enforce_eager={_bool(not rollout.cuda_graphs)}",
+        f"actor_rollout_ref.rollout.free_cache_engine={_bool(rollout.free_kv_cache)}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
+        f"{work.infer_micro_batch_size}",
+        # The old log-probs: recomputed by the actor's engine (priced as a pass of its own) or
+        # taken from the rollout.
+        f"algorithm.rollout_correction.bypass_mode={_bool(not recompute_old)}",
+    ]
+    if work.generates_more_than_it_trains:
+        # Groups whose rewards do not differ are dropped and replaced by more generations
+        # (priced as one generation of generated_prompts_per_iteration prompts).
+        out.append("algorithm.filter_groups.enable=true")
+    return out
 
 
 def _reward(plan: Plan, job: JobSpec, gpn: int) -> list[str]:
@@ -267,12 +371,15 @@ def _reward(plan: Plan, job: JobSpec, gpn: int) -> list[str]:
     return out
 
 
-def verl_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json") -> dict[str, str]:
-    module, config, overrides = verl_overrides(plan, job)
+def verl_files(plan: Plan, job: JobSpec, *, plan_name: str = "plan.json",
+               translation: Translation | None = None) -> dict[str, str]:
+    translation = translation or translation_for(job, "verl")
+    module, config, overrides = verl_overrides(plan, job, translation)
+    notes = notes_comment(job, translation)
     script = f"""#!/usr/bin/env bash
 # Runs {plan_name} ({plan.strategy or 'plan'}: {plan.describe()}, mode {plan.mode_label()})
 # with verl {VERL_VERSION}. Written by `hybridflow export --to verl`.
-# Extra Hydra overrides after the script's name come last and win, e.g.
+{notes}# Extra Hydra overrides after the script's name come last and win, e.g.
 #   bash {SCRIPT_FILE} actor_rollout_ref.model.path=/ckpt/actor data.train_files=/data/train.parquet
 # Start Ray on the nodes first (`ray start`); verl's Ray places the pools on them.
 set -euo pipefail

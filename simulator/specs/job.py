@@ -179,6 +179,11 @@ class JobSpec:
     partial_rollout: bool = False
     """async: a weight sync interrupts the responses in flight, which continue with the new
     weights (verl's partial rollout) instead of draining before the sync."""
+    kl: KlTerm | None = None
+    """Where the KL divergence to the reference policy enters: ``reward`` (a penalty in the
+    reward, PPO's and ReMax's default: verl use_kl_in_reward), ``loss`` (a term of the actor's
+    loss, GRPO's default: verl use_kl_loss) or ``none`` (no KL: no reference model, no
+    reference pass; DAPO and most 2025-26 GRPO recipes). Left out: the algorithm's default."""
     generation_elsewhere: bool = field(default=False, repr=False)
     """Internal, never read from a job file: the actor generates on a rollout set of its own,
     so the training GPUs hold no generation engine and do not reshard (the planner's view of
@@ -189,6 +194,13 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         dataflow = get_dataflow(self.algorithm)
+        if self.kl not in (None, *KL_TERMS):
+            raise SpecError(f"must be one of {', '.join(KL_TERMS)}; got {self.kl!r}", key="kl")
+        if self.kl == "none":
+            if "ref" in self.models:
+                raise SpecError("kl: none runs no reference pass and holds no reference model: "
+                                "remove models.ref (or set kl: loss / reward)", key="models.ref")
+            dataflow = without_reference(dataflow)
         check_mode(self.mode, self.max_staleness, self.partial_rollout)
         if self.mode != "sync" and "actor" not in dataflow.trained_roles:
             raise SpecError(f"{self.algorithm} trains no actor: nothing to run off-policy",
@@ -299,7 +311,16 @@ class JobSpec:
     def dataflow(self) -> Dataflow:
         """The algorithm's dataflow with the passes the framework adds in the job's mode (an
         ``auto`` job's plans are priced with ``for_mode``: each with its own mode's passes)."""
-        return dataflow_with_passes(self.algorithm, self.framework, self.mode)
+        return dataflow_with_passes(self.algorithm, self.framework, self.mode,
+                                    reference=self.kl != "none",
+                                    filtered=self.workload.generates_more_than_it_trains)
+
+    @property
+    def kl_term(self) -> KlTerm:
+        """Where the KL term enters (the job's ``kl``, else the algorithm's default)."""
+        if self.kl is not None:
+            return self.kl
+        return "loss" if self.algorithm == "grpo" else "reward"
 
     @property
     def gpu_roles(self) -> tuple[str, ...]:
@@ -403,6 +424,7 @@ class JobSpec:
             **({"max_staleness": self.max_staleness} if self.max_staleness is not None
                else {}),
             **({"partial_rollout": True} if self.partial_rollout else {}),
+            **({"kl": self.kl} if self.kl is not None else {}),
         }
 
 
@@ -415,12 +437,56 @@ OLD_LOG_PROB_NODE = "actor.old_log_prob"
 """The node a framework adds when it recomputes old log-probs with the training engine."""
 
 
+KlTerm = Literal["reward", "loss", "none"]
+KL_TERMS = ("reward", "loss", "none")
+
+
+def without_reference(dataflow: Dataflow) -> Dataflow:
+    """``dataflow`` without its reference model: no reference pass, and nothing waits for
+    one (a job with no KL term)."""
+    dropped = {n.name for n in dataflow.nodes if n.role == "ref"}
+    if not dropped:
+        return dataflow
+    nodes = tuple(replace(n, after=tuple(a for a in n.after if a not in dropped))
+                  for n in dataflow.nodes if n.name not in dropped)
+    return replace(dataflow, nodes=nodes)
+
+
+def filtered_after_reward(dataflow: Dataflow) -> Dataflow:
+    """``dataflow`` with dynamic sampling (DAPO): the batch is filtered by its rewards before
+    anything else reads it, so every other model's pass waits for the reward (and cost)
+    scores."""
+    scorers = tuple(n.name for n in dataflow.nodes if n.operation == "infer"
+                    and n.role in RULE_ROLES)
+    if not scorers:
+        return dataflow
+    waiting = [replace(n, after=tuple(dict.fromkeys((*n.after, *scorers))))
+               if n.operation == "infer" and n.role not in RULE_ROLES else n
+               for n in dataflow.nodes if n.name not in scorers]
+    # The scorers read only the generations: they move right after the last one, before the
+    # passes that now wait for them.
+    last_generate = max(i for i, n in enumerate(waiting) if n.operation == "generate")
+    moved = [n for n in dataflow.nodes if n.name in scorers]
+    nodes = (*waiting[:last_generate + 1], *moved, *waiting[last_generate + 1:])
+    return replace(dataflow, nodes=nodes)
+
+
 @cache
-def dataflow_with_passes(algorithm: str, framework: str, mode: str = "sync") -> Dataflow:
+def dataflow_with_passes(algorithm: str, framework: str, mode: str = "sync", *,
+                         reference: bool = True, filtered: bool = False) -> Dataflow:
     """``algorithm``'s dataflow plus the passes ``framework`` runs in ``mode``: with the
     old-log-prob recompute, one more actor forward over the sampled sequences right after
-    generation, which the controller's work (advantages) then waits for."""
+    generation, which the controller's work (advantages) then waits for. Without a
+    ``reference`` (no KL term) the reference pass is left out; ``filtered`` (dynamic sampling)
+    makes every pass but the scoring wait for the scores."""
     base = get_dataflow(algorithm)
+    if not reference:
+        base = without_reference(base)
+    passes = _with_old_log_prob(base, framework, mode)
+    return filtered_after_reward(passes) if filtered else passes
+
+
+def _with_old_log_prob(base: Dataflow, framework: str, mode: str) -> Dataflow:
     profile = load_framework(framework)
     if not profile.passes.old_log_prob_in(mode) or "actor" not in base.trained_roles:
         return base
@@ -445,7 +511,8 @@ def dataflow_with_passes(algorithm: str, framework: str, mode: str = "sync") -> 
 
 
 JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
-             "framework", "reward_function", "data", "mode", "max_staleness", "partial_rollout")
+             "framework", "reward_function", "data", "mode", "max_staleness", "partial_rollout",
+             "kl")
 """The top-level keys a job file may have."""
 
 
@@ -532,7 +599,10 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
         if not isinstance(partial_rollout, bool):
             raise SpecError(f"expected true or false, got {partial_rollout!r}",
                             key="partial_rollout")
-        return JobSpec(algorithm=algorithm, models=models,
+        kl = data.get("kl")
+        if kl is not None and kl not in KL_TERMS:
+            raise SpecError(f"must be one of {', '.join(KL_TERMS)}; got {kl!r}", key="kl")
+        return JobSpec(algorithm=algorithm, models=models, kl=kl,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
                        parallel=parallel, backends=backends, name=name, framework=framework,
                        reward_function=reward_function, data=data_spec,

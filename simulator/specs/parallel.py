@@ -214,10 +214,19 @@ class GenerationConfig:
         return train.world_size // self.model_parallel_size
 
     def check(self, model: ModelSpec, train: ParallelConfig, *, gpus_per_node: int,
-              key: str = "generation") -> None:
-        """Raise SpecError if the generation layout does not fit the training layout."""
+              key: str = "generation", nested: bool = True) -> None:
+        """Raise SpecError if the generation layout does not fit the training layout: with
+        ``nested`` (the 3D-HybridEngine) each GPU's training shard must lie inside its
+        generation shard; otherwise (an engine with its own copy of the weights, vLLM) the
+        generation replicas must tile the actor's GPUs."""
         self.check_shape(model, gpus_per_node=gpus_per_node, key=key)
         self.check_experts(model, train.world_size, key=key)
+        if not nested:
+            if train.world_size % self.model_parallel_size:
+                raise SpecError(f"generation tp*pp={self.model_parallel_size} must divide the "
+                                f"actor's {train.world_size} GPUs (whole engine replicas)",
+                                key=f"{key}.tp")
+            return
         shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
         if train.ep * train.etp > train.tp and train.sharding != "fsdp":
             # One copy of an MoE model spans its ep x etp group when that is wider than tp

@@ -39,6 +39,12 @@ class Workload:
         default=None, metadata={"parse": parse_lengths})
     """Lengths of greedy responses (ReMax's baseline), if they differ from
     ``response_length`` (default: the same distribution)."""
+    generated_prompts_per_iteration: int | None = None
+    """Prompts generated (and scored) per iteration when more are generated than trained on:
+    dynamic sampling (DAPO's group filtering, verl's algorithm.filter_groups, OpenRLHF's
+    dynamic filtering) drops the groups whose rewards do not differ and generates more until
+    ``prompts_per_iteration`` groups remain; give the average it generates per step (e.g.
+    prompts_per_iteration / the fraction kept). Left out: as ``prompts_per_iteration``."""
     samples_per_prompt: int = 1
     """Responses generated per prompt (GRPO's group size; 1 for PPO)."""
     ppo_epochs: int = 1
@@ -84,6 +90,15 @@ class Workload:
                 f"{MAX_SEQUENCES_PER_ITERATION}; "
                 "plan a smaller batch",
                 "prompts_per_iteration")
+        if self.generated_prompts_per_iteration is not None:
+            require(self.generated_prompts_per_iteration >= self.prompts_per_iteration,
+                    f"must be at least prompts_per_iteration ({self.prompts_per_iteration}): "
+                    "the trained prompts are among the generated ones, got "
+                    f"{self.generated_prompts_per_iteration}", "generated_prompts_per_iteration")
+            require(self.generated_prompts_per_iteration * self.samples_per_prompt
+                    <= MAX_SEQUENCES_PER_ITERATION,
+                    f"above the planner's limit of {MAX_SEQUENCES_PER_ITERATION} sequences per "
+                    "iteration", "generated_prompts_per_iteration")
         require(sequences >= self.mini_batches_per_epoch,
                 f"{sequences} sequences per iteration cannot be split into "
                 f"{self.mini_batches_per_epoch} mini-batches", "mini_batches_per_epoch")
@@ -92,6 +107,16 @@ class Workload:
     def sequences_per_iteration(self) -> int:
         """Responses generated per iteration (prompts x samples per prompt)."""
         return self.prompts_per_iteration * self.samples_per_prompt
+
+    @property
+    def generated_prompts(self) -> int:
+        """Prompts generated and scored per iteration (dynamic sampling: more than trained)."""
+        return self.generated_prompts_per_iteration or self.prompts_per_iteration
+
+    @property
+    def generates_more_than_it_trains(self) -> bool:
+        """Dynamic sampling: the scores filter the batch before the other passes read it."""
+        return self.generated_prompts > self.prompts_per_iteration
 
     @property
     def max_sequence_tokens(self) -> int:

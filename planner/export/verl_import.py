@@ -1,0 +1,459 @@
+"""Import a verl launch (Hydra overrides, or a run script calling one of its trainers) as a
+job and a plan, read against verl 0.9.1's defaults (``VERL_DEFAULTS``, from its config tree:
+"C" = verl/trainer/config/ of pip verl==0.9.1).
+
+Every setting that changes the work the planner prices is read; one the planner does not
+price is refused in one line naming the key (``UNPRICED``); settings that change nothing it
+prices (learning rates, loggers, data files) are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from planner.export.importing import (
+    ImportContext,
+    LaunchLayout,
+    build_plan,
+    clean,
+    parse_bool,
+    parse_float,
+    parse_int,
+    resolve_model,
+    response_lengths,
+)
+from planner.export.launch import Launch
+from planner.export.verl import CONFIG, ENTRY, ESTIMATOR
+from profiles.datafile import SpecError
+from profiles.framework import load_framework
+from simulator.plan import Plan, RolePlan
+from simulator.specs.cluster import ClusterSpec
+from simulator.specs.job import RULE, JobSpec
+from simulator.specs.model import ModelSpec
+from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.workload import Workload
+
+VERL_DEFAULTS: dict[str, Any] = {
+    # C _generated_ppo_trainer.yaml / _generated_ppo_megatron_trainer.yaml
+    "trainer.nnodes": 1,
+    "trainer.n_gpus_per_node": 8,
+    "data.train_batch_size": 1024,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 256,
+    "actor_rollout_ref.actor.ppo_epochs": 1,
+    "actor_rollout_ref.actor.use_kl_loss": False,
+    "algorithm.use_kl_in_reward": False,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "critic.model.enable_gradient_checkpointing": True,
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size": -1,
+    "actor_rollout_ref.ref.fsdp_config.fsdp_size": -1,
+    "critic.fsdp.fsdp_size": -1,
+    "actor_rollout_ref.rollout.n": 1,
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+    "actor_rollout_ref.rollout.pipeline_model_parallel_size": 1,
+    "actor_rollout_ref.rollout.expert_parallel_size": 1,
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
+    "actor_rollout_ref.rollout.max_num_seqs": 256,
+    "reward.reward_model.rollout.tensor_model_parallel_size": 2,
+    "reward.reward_model.rollout.pipeline_model_parallel_size": 1,
+    "megatron.tensor_model_parallel_size": 1,
+    "megatron.pipeline_model_parallel_size": 1,
+    "megatron.virtual_pipeline_model_parallel_size": None,
+    "megatron.expert_model_parallel_size": 1,
+    "megatron.expert_tensor_parallel_size": None,
+    "megatron.use_distributed_optimizer": True,
+    "megatron.sequence_parallel": True,
+    "megatron.override_transformer_config.recompute_granularity": None,
+}
+"""verl 0.9.1's defaults of the settings read (``megatron.*``: each role's Megatron engine,
+C engine/megatron.yaml; the reference takes the actor's unless it sets its own)."""
+
+LEGACY = {
+    # verl <= 0.6 spelled the reward model's settings at the top level.
+    "reward_model.enable": "reward.reward_model.enable",
+    "reward_model.model.path": "reward.reward_model.model_path",
+    "reward_model.enable_resource_pool": "reward.reward_model.enable_resource_pool",
+    "reward_model.nnodes": "reward.reward_model.nnodes",
+    "reward_model.n_gpus_per_node": "reward.reward_model.n_gpus_per_node",
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
+}
+"""Older spellings read as verl 0.9's."""
+
+
+def _true(value: Any) -> bool:
+    return str(value).lower() in ("true", "1")
+
+
+def _above_one(value: Any) -> bool:
+    return str(value) not in ("1", "None", "null", "none", "")
+
+
+UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("actor_rollout_ref.actor.use_dynamic_bsz", _true,
+     "micro-batches by a token budget are not priced yet; set it false with "
+     "ppo_micro_batch_size_per_gpu"),
+    ("critic.use_dynamic_bsz", _true, "micro-batches by a token budget are not priced yet"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", _above_one,
+     "Ulysses sequence parallelism is not priced yet"),
+    ("critic.ulysses_sequence_parallel_size", _above_one,
+     "Ulysses sequence parallelism is not priced yet"),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload", _true,
+     "parameter offload between calls is not priced yet"),
+    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", _true,
+     "optimizer offload between calls is not priced yet"),
+    ("actor_rollout_ref.ref.fsdp_config.param_offload", _true,
+     "parameter offload between calls is not priced yet"),
+    ("critic.fsdp.param_offload", _true, "parameter offload between calls is not priced yet"),
+    ("critic.fsdp.optimizer_offload", _true, "optimizer offload between calls is not priced yet"),
+    ("actor_rollout_ref.actor.megatron.param_offload", _true,
+     "parameter offload between calls is not priced yet"),
+    ("actor_rollout_ref.actor.megatron.optimizer_offload", _true,
+     "optimizer offload between calls is not priced yet"),
+    ("actor_rollout_ref.model.lora_rank", _above_one, "LoRA training is not priced"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size", _above_one,
+     "context parallelism is not priced"),
+    ("actor_rollout_ref.model.use_remove_padding", lambda v: not _true(v),
+     "padded micro-batches are not priced (the price counts real tokens)"),
+    ("actor_rollout_ref.rollout.enforce_eager", _true,
+     "an eager vLLM engine is not what the verl profile prices (CUDA graphs)"),
+    ("actor_rollout_ref.rollout.free_cache_engine", lambda v: not _true(v),
+     "a vLLM engine that keeps its KV cache between iterations is not what the verl profile "
+     "prices"),
+    ("actor_rollout_ref.rollout.multi_turn.enable", _true, "multi-turn tool rollouts are not "
+     "priced"),
+    ("actor_rollout_ref.rollout.name", lambda v: clean(str(v)) not in ("vllm",),
+     "only the vLLM rollout engine is priced; set actor_rollout_ref.rollout.name=vllm"),
+)
+"""Settings that change the priced work in ways the planner does not model: (key, whether the
+value is one of them, why)."""
+
+
+def verl_values(launch: Launch) -> tuple[str, str, dict[str, str]]:
+    """(mode, engine, key -> value) of a verl launch: the entry module gives the mode, the
+    config name (or actor strategy) the engine."""
+    mode = next((m for m, module in ENTRY.items() if module == launch.module), None)
+    if mode is None:
+        # A file of overrides alone: the asynchronous trainers' own keys tell the mode.
+        keys = {w.split("=", 1)[0].lstrip("+~") for w in launch.arguments}
+        mode = "async" if any(k.startswith("async_training.") for k in keys) else \
+            "one_step_off" if "rollout.nnodes" in keys else "sync"
+    config = ""
+    values: dict[str, str] = {}
+    words = list(launch.arguments)
+    while words:
+        word = words.pop(0)
+        if word in ("--config-name", "--config-path", "--config-dir"):
+            value = words.pop(0) if words else ""
+            if word == "--config-name":
+                config = value
+            continue
+        if word.startswith("--config-name="):
+            config = word.split("=", 1)[1]
+            continue
+        if word.startswith("-"):
+            continue
+        key, sep, value = word.partition("=")
+        if not sep:
+            continue
+        key = LEGACY.get(key.lstrip("+~"), key.lstrip("+~"))
+        values[key] = clean(value)
+    config = clean(config)
+    strategy = values.get("actor_rollout_ref.actor.strategy", "")
+    engine = "megatron" if "megatron" in config or strategy == "megatron" else "fsdp"
+    if config and config not in {name for (m, _), name in CONFIG.items() if m == mode} \
+            and not config.startswith("ppo_"):
+        raise SpecError(f"config {config!r} is not one of verl's trainer configs",
+                        key="--config-name", source=launch.source)
+    return mode, engine, values
+
+
+class VerlSettings:
+    """A launch's values over verl's defaults."""
+
+    def __init__(self, values: dict[str, str], engine: str, source: str):
+        self.values = values
+        self.engine = engine
+        self.source = source
+
+    def raw(self, key: str) -> Any:
+        if key in self.values:
+            return self.values[key]
+        if key.startswith(("actor_rollout_ref.ref.megatron.", "critic.megatron.")):
+            leaf = key.split(".megatron.", 1)[1]
+            if key.startswith("actor_rollout_ref.ref.") and \
+                    f"actor_rollout_ref.actor.megatron.{leaf}" in self.values:
+                return self.values[f"actor_rollout_ref.actor.megatron.{leaf}"]
+            return VERL_DEFAULTS.get(f"megatron.{leaf}")
+        if key.startswith("actor_rollout_ref.actor.megatron."):
+            return VERL_DEFAULTS.get(f"megatron.{key.split('.megatron.', 1)[1]}")
+        return VERL_DEFAULTS.get(key)
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.raw(key)
+        if value is None or str(value) in ("null", "None"):
+            if default is None:
+                raise SpecError("needed (no verl default)", key=key)
+            return default
+        return parse_int(value, key)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        value = self.raw(key)
+        return default if value is None else parse_bool(value, key)
+
+    def float(self, key: str) -> float:
+        return parse_float(self.raw(key), key)
+
+    def text(self, key: str) -> str | None:
+        value = self.raw(key)
+        return None if value is None else clean(str(value))
+
+
+def check_priced(settings: VerlSettings) -> None:
+    """Refuse, naming the key, a setting that changes the work in a way not priced."""
+    for key, unpriced, why in UNPRICED:
+        if key in settings.values and unpriced(settings.values[key]):
+            raise SpecError(f"{settings.values[key]}: {why}", key=key)
+
+
+def import_verl(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
+    """The job and plan a verl launch runs."""
+    try:
+        return _import(launch, context)
+    except SpecError as exc:
+        raise exc.within(source=launch.source) from None
+
+
+def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
+    mode, engine, values = verl_values(launch)
+    s = VerlSettings(values, engine, launch.source)
+    check_priced(s)
+    framework = context.job.framework if context.job else "verl"
+    recompute = load_framework(framework).passes.old_log_prob_in(mode)
+    if s.bool("algorithm.rollout_correction.bypass_mode") == recompute:
+        priced = "the actor recomputing the old log-probs" if recompute else \
+            "the rollout's log-probs"
+        raise SpecError(f"{str(recompute).lower()}: the {framework} profile prices {priced} "
+                        f"in {mode} mode", key="algorithm.rollout_correction.bypass_mode")
+    estimator = s.text("algorithm.adv_estimator") or "gae"
+    algorithm = next((a for a, e in ESTIMATOR.items() if e == estimator), None)
+    if algorithm is None:
+        raise SpecError(f"{estimator}: the planner has dataflows for gae (PPO), grpo and "
+                        "remax", key="algorithm.adv_estimator")
+    kl = _kl(s)
+    reward_model = s.bool("reward.reward_model.enable")
+    gpn = s.int("trainer.n_gpus_per_node")
+    trainer_gpus = s.int("trainer.nnodes") * gpn
+    own_reward = reward_model and s.bool("reward.reward_model.enable_resource_pool")
+    reward_gpus = s.int("reward.reward_model.nnodes", 0) * s.int(
+        "reward.reward_model.n_gpus_per_node", gpn) if own_reward else 0
+    rollout_gpus = s.int("rollout.nnodes", 0) * s.int("rollout.n_gpus_per_node", gpn) \
+        if mode != "sync" else 0
+    roles = ["actor"] + (["critic"] if algorithm == "ppo" else []) + \
+        (["ref"] if kl != "none" else [])
+    models: dict[str, ModelSpec | str] = {
+        "actor": resolve_model("actor", s.text("actor_rollout_ref.model.path"),
+                               "actor_rollout_ref.model.path", context)}
+    if "critic" in roles:
+        models["critic"] = resolve_model("critic", s.text("critic.model.path"),
+                                         "critic.model.path", context)
+    if "ref" in roles:
+        models["ref"] = models["actor"]
+    models["reward"] = resolve_model(
+        "reward", s.text("reward.reward_model.model_path"),
+        "reward.reward_model.model_path", context) if reward_model else RULE
+    cluster = _cluster(trainer_gpus + reward_gpus + rollout_gpus, gpn, context)
+    prompts = s.int("data.train_batch_size")
+    mini = s.int("actor_rollout_ref.actor.ppo_mini_batch_size")
+    if prompts % mini:
+        raise SpecError(f"{prompts} prompts do not split into mini-batches of {mini}",
+                        key="actor_rollout_ref.actor.ppo_mini_batch_size")
+    generated = None
+    if s.bool("algorithm.filter_groups.enable"):
+        generated = _generated_prompts(prompts, context)
+    infer_mbs = s.int("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                      s.int("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", 8))
+    workload = Workload(
+        prompts_per_iteration=prompts, generated_prompts_per_iteration=generated,
+        prompt_length=s.int("data.max_prompt_length"),
+        response_length=response_lengths(s.int("data.max_response_length"), context),
+        samples_per_prompt=s.int("actor_rollout_ref.rollout.n"),
+        ppo_epochs=s.int("actor_rollout_ref.actor.ppo_epochs"),
+        mini_batches_per_epoch=prompts // mini,
+        train_micro_batch_size=_micro_batch(s, "actor_rollout_ref.actor"),
+        infer_micro_batch_size=infer_mbs)
+    if context.job is not None:
+        workload = replace(workload, dtype=context.job.workload.dtype,
+                           controller_seconds_per_sample=context.job.workload
+                           .controller_seconds_per_sample,
+                           rule_reward_seconds_per_sample=context.job.workload
+                           .rule_reward_seconds_per_sample)
+    staleness = {"sync": 0, "one_step_off": 1}.get(mode)
+    if staleness is None:
+        staleness = s.int("async_training.staleness_threshold", 0) + 1
+    job = JobSpec(
+        name=(context.job.name if context.job else "") or "imported-verl",
+        algorithm=algorithm, models=models, cluster=cluster, workload=workload,
+        framework=framework, kl=kl,
+        mode=mode, max_staleness=staleness if mode == "async" else None,  # type: ignore[arg-type]
+        partial_rollout=mode == "async" and s.bool("async_training.partial_rollout"),
+        reward_function=context.job.reward_function if context.job else None)
+    layout = _layout(s, job, roles, trainer_gpus, reward_gpus, rollout_gpus, mode, staleness)
+    plan = build_plan(job, layout)
+    plan.validate(job)
+    return job, plan
+
+
+def _kl(s: VerlSettings) -> str:
+    loss = s.bool("actor_rollout_ref.actor.use_kl_loss")
+    reward = s.bool("algorithm.use_kl_in_reward")
+    if loss:
+        return "loss"
+    return "reward" if reward else "none"
+
+
+def _cluster(gpus: int, gpus_per_node: int, context: ImportContext) -> ClusterSpec:
+    """The cluster the launch uses: the job's (when it holds the launch's GPUs), else as many
+    nodes of ``--device`` as the pools fill."""
+    if context.job is not None:
+        cluster = context.job.cluster
+        if cluster.total_gpus < gpus:
+            raise SpecError(f"the launch uses {gpus} GPUs; the job's cluster has "
+                            f"{cluster.total_gpus}", key="trainer.nnodes")
+        return cluster
+    if context.device is None:
+        raise SpecError("a launch does not say which GPUs run it: give --device (hybridflow "
+                        "list devices) or --job", key="--device")
+    nodes = max(1, -(-gpus // gpus_per_node))
+    return ClusterSpec.homogeneous(nodes=nodes, gpus_per_node=min(gpus_per_node, gpus)
+                                   if nodes == 1 else gpus_per_node, device=context.device)
+
+
+def _generated_prompts(prompts: int, context: ImportContext) -> int:
+    job = context.job
+    if job is not None and job.workload.generated_prompts_per_iteration:
+        return job.workload.generated_prompts_per_iteration
+    context.notes.append("algorithm.filter_groups.enable=true: priced as if every generated "
+                         "group is kept (give --job with workload.generated_prompts_per_"
+                         "iteration, the prompts generated per step on average)")
+    return prompts
+
+
+def _micro_batch(s: VerlSettings, prefix: str) -> int:
+    value = s.raw(f"{prefix}.ppo_micro_batch_size_per_gpu")
+    if value is None or str(value) in ("null", "None"):
+        raise SpecError("needed: the sequences per GPU of a training micro-batch",
+                        key=f"{prefix}.ppo_micro_batch_size_per_gpu")
+    return parse_int(value, f"{prefix}.ppo_micro_batch_size_per_gpu")
+
+
+def _layout(s: VerlSettings, job: JobSpec, roles: list[str], trainer_gpus: int,
+            reward_gpus: int, rollout_gpus: int, mode: str, staleness: int) -> LaunchLayout:
+    trainer = tuple(r for r in ("actor", "critic", "ref") if r in roles)
+    if "reward" in job.gpu_roles and not reward_gpus:
+        trainer = (*trainer, "reward")
+    sets = [(trainer, trainer_gpus)]
+    if reward_gpus:
+        sets.append((("reward",), reward_gpus))
+    plans: dict[str, RolePlan] = {}
+    plans["actor"] = _trained("actor", s, trainer_gpus, "actor_rollout_ref.actor",
+                              "actor_rollout_ref.model", job)
+    gen_gpus = rollout_gpus or trainer_gpus
+    plans["actor"] = replace(plans["actor"], generation=_generation(s, gen_gpus))
+    if "critic" in roles:
+        plans["critic"] = _trained("critic", s, trainer_gpus, "critic", "critic.model", job)
+    if "ref" in roles:
+        plans["ref"] = _frozen(s, trainer_gpus, job)
+    if "reward" in job.gpu_roles:
+        tp = s.int("reward.reward_model.rollout.tensor_model_parallel_size")
+        pp = s.int("reward.reward_model.rollout.pipeline_model_parallel_size")
+        gpus = reward_gpus or trainer_gpus
+        grad, param = job.overlap_for("reward")
+        plans["reward"] = RolePlan(parallel=ParallelConfig(
+            tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), sharding="none", recompute="none",
+            sequence_parallel=False, micro_batch_size=job.workload.infer_micro_batch_size,
+            overlap_grad_reduce=grad, overlap_param_gather=param),
+            training_backend="torch")
+    return LaunchLayout(sets=sets, roles=plans, mode=mode,
+                        max_staleness=staleness, partial_rollout=job.partial_rollout,
+                        rollout_gpus=rollout_gpus)
+
+
+def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: str,
+             job: JobSpec) -> RolePlan:
+    mbs = _micro_batch(s, prefix)
+    grad, param = job.overlap_for(role)
+    if s.engine == "fsdp":
+        fsdp_key = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
+        sharding = _fsdp_sharding(s, f"{fsdp_key}.fsdp_size", gpus)
+        recompute = "full" if s.bool(f"{model_prefix}.enable_gradient_checkpointing") \
+            else "none"
+        par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
+                             recompute=recompute,  # type: ignore[arg-type]
+                             sequence_parallel=False, micro_batch_size=mbs,
+                             overlap_grad_reduce=grad, overlap_param_gather=param)
+        return RolePlan(parallel=par, training_backend="torch")
+    return RolePlan(parallel=_megatron(s, f"{prefix}.megatron", gpus, trained=True, mbs=mbs,
+                                       overlap=(grad, param)),
+                    training_backend="megatron")
+
+
+def _fsdp_sharding(s: VerlSettings, key: str, gpus: int) -> str:
+    size = s.int(key)
+    if size == 1 or gpus == 1:
+        return "none"
+    if size in (-1, gpus):
+        return "fsdp"
+    raise SpecError(f"{size}: hybrid sharding (FSDP groups of {size} of the {gpus} GPUs) is not "
+                    "priced; set -1 (every GPU) or 1 (whole replicas)", key=key)
+
+
+def _megatron(s: VerlSettings, prefix: str, gpus: int, *, trained: bool, mbs: int,
+              overlap: tuple[bool, bool]) -> ParallelConfig:
+    tp = s.int(f"{prefix}.tensor_model_parallel_size")
+    pp = s.int(f"{prefix}.pipeline_model_parallel_size")
+    vpp = s.int(f"{prefix}.virtual_pipeline_model_parallel_size", 1)
+    ep = s.int(f"{prefix}.expert_model_parallel_size")
+    etp = s.int(f"{prefix}.expert_tensor_parallel_size", 1 if ep > 1 else tp)
+    if gpus % (tp * pp):
+        raise SpecError(f"tp x pp = {tp * pp} does not divide the {gpus} GPUs",
+                        key=f"{prefix}.tensor_model_parallel_size")
+    dp = gpus // (tp * pp)
+    sharding = "optimizer" if trained and dp > 1 and s.bool(
+        f"{prefix}.use_distributed_optimizer") else "none"
+    granularity = s.text(f"{prefix}.override_transformer_config.recompute_granularity")
+    recompute = {"selective": "selective", "full": "full"}.get(granularity or "", "none")
+    grad = s.bool(f"{prefix}.override_ddp_config.overlap_grad_reduce", overlap[0])
+    gather = s.bool(f"{prefix}.override_ddp_config.overlap_param_gather", overlap[1])
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, sharding=sharding,  # type: ignore[arg-type]
+                          recompute=recompute if trained else "none",  # type: ignore[arg-type]
+                          sequence_parallel=s.bool(f"{prefix}.sequence_parallel") and tp > 1,
+                          micro_batch_size=mbs, overlap_grad_reduce=grad,
+                          overlap_param_gather=gather, ep=ep, etp=etp if ep > 1 else 1)
+
+
+def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
+    mbs = s.int("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                job.workload.infer_micro_batch_size)
+    grad, param = job.overlap_for("ref")
+    if s.engine == "fsdp":
+        sharding = _fsdp_sharding(s, "actor_rollout_ref.ref.fsdp_config.fsdp_size", gpus)
+        par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
+                             recompute="none", sequence_parallel=False, micro_batch_size=mbs,
+                             overlap_grad_reduce=grad, overlap_param_gather=param)
+        return RolePlan(parallel=par, training_backend="torch")
+    return RolePlan(parallel=_megatron(s, "actor_rollout_ref.ref.megatron", gpus,
+                                       trained=False, mbs=mbs, overlap=(grad, param)),
+                    training_backend="megatron")
+
+
+def _generation(s: VerlSettings, gpus: int) -> GenerationConfig:
+    prefix = "actor_rollout_ref.rollout"
+    return GenerationConfig(tp=s.int(f"{prefix}.tensor_model_parallel_size"),
+                            pp=s.int(f"{prefix}.pipeline_model_parallel_size"),
+                            ep=s.int(f"{prefix}.expert_parallel_size"),
+                            max_num_seqs=s.int(f"{prefix}.max_num_seqs"),
+                            memory_utilization=s.float(f"{prefix}.gpu_memory_utilization"))

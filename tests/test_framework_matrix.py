@@ -1,0 +1,164 @@
+"""Every plan the planner returns for a framework is one that framework runs, priced as it runs
+it: frameworks (verl, OpenRLHF) x algorithms (PPO, GRPO with and without a KL term, ReMax) x
+cluster sizes (8, 16, 64, 256 GPUs) x modes (sync, one_step_off, async). For each, one plan is
+searched in the framework's space; it exports with no error; the framework's own code accepts
+the export (verl's Hydra tree and validate_config, OpenRLHF's parser and argument checks, see
+``test_export_frameworks.py``); and importing the export gives back the same plan at the same
+predicted time. All compositions run in this one process, one plan per job."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from planner.asynchronous import search_async
+from planner.export import export_files, plan_layout
+from planner.export.importing import ImportContext
+from planner.export.launch import read_launch
+from planner.export.openrlhf_import import import_openrlhf
+from planner.export.verl import parse_verl_files
+from planner.export.verl_import import import_verl
+from planner.planning import evaluate
+from planner.search import Search, SearchOptions
+from planner.space import SpaceOptions
+from simulator.plan import Plan
+from simulator.specs.job import JobSpec, job_from_mapping
+
+SUMS = Path(__file__).resolve().parents[1] / "planner" / "examples" / "your-data" / "sums.py"
+
+ALGORITHMS = {
+    # name: (algorithm, kl, models, samples per prompt)
+    "ppo": ("ppo", None, {"actor": "qwen2.5-1.5b", "critic": "qwen2.5-0.5b",
+                          "ref": "qwen2.5-1.5b", "reward": "qwen2.5-0.5b"}, 1),
+    "grpo": ("grpo", None, {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b",
+                            "reward": "rule"}, 8),
+    "grpo-no-kl": ("grpo", "none", {"actor": "qwen2.5-1.5b", "reward": "rule"}, 8),
+    "remax": ("remax", None, {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b",
+                              "reward": "qwen2.5-0.5b"}, 1),
+}
+FRAMEWORK_ALGORITHMS = {"verl": ("ppo", "grpo", "grpo-no-kl", "remax"),
+                        "openrlhf": ("ppo", "grpo", "grpo-no-kl")}
+SIZES = (8, 16, 64, 256)
+MODES = ("sync", "one_step_off", "async")
+CASES = [pytest.param(f, a, g, m, id=f"{f}-{a}-{g}gpu-{m}")
+         for f, algorithms in FRAMEWORK_ALGORITHMS.items() for a in algorithms
+         for g in SIZES for m in MODES]
+
+
+def matrix_job(framework: str, name: str, gpus: int, mode: str) -> JobSpec:
+    algorithm, kl, models, samples = ALGORITHMS[name]
+    data: dict = {
+        "name": f"matrix-{framework}-{name}", "algorithm": algorithm, "framework": framework,
+        "models": dict(models),
+        "cluster": {"nodes": max(1, gpus // 8), "gpus_per_node": min(8, gpus),
+                    "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 1024, "samples_per_prompt": samples,
+                     "prompt_length": 512, "mini_batches_per_epoch": 4,
+                     "response_length": {"distribution": "lognormal", "median": 300,
+                                         "sigma": 0.8, "max": 2048}},
+        "mode": mode}
+    if kl is not None:
+        data["kl"] = kl
+    if mode == "async":
+        data.update(max_staleness=2, partial_rollout=True)
+    if models.get("reward") == "rule":
+        data["reward_function"] = {"path": str(SUMS)}
+    return job_from_mapping(data)
+
+
+@cache
+def planned(framework: str, name: str, gpus: int, mode: str) -> tuple[JobSpec, Plan]:
+    """One plan of the job, searched in its framework's space (micro-batches of 1 or 2)."""
+    job = matrix_job(framework, name, gpus, mode)
+    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1, 2)))
+    if mode == "sync":
+        best = Search(job, options).run().best
+        assert best is not None, "no synchronous plan"
+        plan = best.to_plan(job)
+    else:
+        found = search_async(job, mode, job.max_staleness or 1, options, top_k=1)  # type: ignore[arg-type]
+        assert found, f"no {mode} plan"
+        plan = found[0].plan
+    return job, evaluate(job, None, "searched", plan=plan).plan
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local Hugging Face model directory, what verl's model config reads (nothing is
+    downloaded)."""
+    from tests.dataset_fixtures import make_tokenizer
+
+    directory = make_tokenizer(tmp_path_factory.mktemp("matrix-model"))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 4, "vocab_size": 38, "max_position_embeddings": 4096}))
+    return directory
+
+
+def framework_accepts(framework: str, files: dict[str, str], model: Path) -> None:
+    """The framework's own code composes / parses the exported launch and passes its own
+    checks."""
+    if framework == "verl":
+        from tests.test_export_frameworks import model_overrides, verl_config, verl_validate
+
+        cfg = verl_config(files["verl_overrides.txt"], files["run_verl.sh"],
+                          model_overrides(files, model))
+        verl_validate(cfg)
+    else:
+        from tests.test_export_frameworks import openrlhf_parse
+
+        openrlhf_parse([a for a in files["openrlhf_args.txt"].splitlines() if a])
+
+
+def reimported(framework: str, job: JobSpec, files: dict[str, str], directory: Path
+               ) -> tuple[JobSpec, Plan]:
+    """The export read back by ``hybridflow import`` (the job gives what a launch does not
+    say: the cluster, the models, the response-length distribution)."""
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    script = "run_verl.sh" if framework == "verl" else "run_openrlhf.sh"
+    modules = ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
+               "verl.experimental.fully_async_policy.fully_async_main",
+               "openrlhf.cli.train_ppo_ray")
+    launch = read_launch(directory / script, modules)
+    context = ImportContext(job=job)
+    importer = import_verl if framework == "verl" else import_openrlhf
+    return importer(launch, context)
+
+
+@pytest.mark.parametrize(("framework", "name", "gpus", "mode"), CASES)
+def test_every_plan_exports_passes_the_framework_and_round_trips(
+        framework: str, name: str, gpus: int, mode: str, tiny_model: Path,
+        tmp_path: Path) -> None:
+    job, plan = planned(framework, name, gpus, mode)
+    assert plan.mode == mode
+    files = export_files(plan, job, framework)
+    if framework == "verl":
+        module, _config, _values = parse_verl_files(files["verl_overrides.txt"],
+                                                    files["run_verl.sh"])
+        assert module.endswith({"sync": "main_ppo", "one_step_off": "main_ppo",
+                                "async": "fully_async_main"}[mode])
+    framework_accepts(framework, files, tiny_model)
+    back_job, back = reimported(framework, job, files, tmp_path)
+    assert plan_layout(back) == plan_layout(plan)
+    assert back.roles == plan.roles, (back.describe(), plan.describe())
+    assert [replace(s) for s in back.sets] == list(plan.sets)
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)
+
+
+def test_the_default_jobs_plan_exports_to_verl_and_to_openrlhf(tiny_model: Path) -> None:
+    from planner.planning import plan_job
+    from simulator.specs.job import default_job
+
+    job = default_job()
+    plan = plan_job(job, SearchOptions(top_k=1)).best.plan
+    for framework in ("verl", "openrlhf"):
+        files = export_files(plan, job, framework)
+        framework_accepts(framework, files, tiny_model)
