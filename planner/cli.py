@@ -582,12 +582,16 @@ def _search_flags(f: Any) -> Any:
               help='Evaluate only this placement, e.g. "actor,ref|critic,reward".')
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="Evaluate this plan file (with the standard strategies beside it).")
+@click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
+              help="A plan you already run (e.g. from `hybridflow import`): search, then show "
+                   "what the best plan saves against it and why (its job is the job to plan "
+                   "unless --config gives one).")
 @_search_flags
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
-         plan_path: str | None, top: int, backend: str, micro_batches: str,
-         max_num_seqs: str, memory_utilization: str, objective: str, pay_for: str,
-         deadline: float | None, as_json: bool) -> None:
+         plan_path: str | None, baseline_path: str | None, top: int, backend: str,
+         micro_batches: str, max_num_seqs: str, memory_utilization: str, objective: str,
+         pay_for: str, deadline: float | None, as_json: bool) -> None:
     """Search the best placement and parallel configs; write the plan and a report."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
@@ -596,11 +600,20 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
 
     if placement and plan_path:
         raise SpecError("give --placement or --plan, not both", key="--placement")
-    given = None
+    if baseline_path and plan_path:
+        raise SpecError("give --plan (evaluate it) or --baseline (search and compare), not "
+                        "both", key="--baseline")
+    given = baseline = None
     if plan_path:
         given, job = _load_plan_and_job(plan_path, config)
         job = _resized(job, gpus, config or plan_path)
         _checked(given, job, plan_path)
+    elif baseline_path:
+        if gpus is not None:
+            raise SpecError("the baseline runs on its own cluster; leave out --gpus",
+                            key="--gpus")
+        baseline, job = _load_plan_and_job(baseline_path, config, require_job=True)
+        _checked(baseline, job, baseline_path)
     else:
         job = _resized(_load_job(config), gpus, config)
     options = _search_options(top, backend, micro_batches, max_num_seqs, memory_utilization,
@@ -623,10 +636,23 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         result = plan_job(job, options, pinned=pinned, given=given, progress=progress)
     progress.close()
     files = write_plan_report(result, out)
+    comparison = None
+    if baseline is not None:
+        from planner.baseline import compare_with_baseline
+
+        with _about(baseline_path):
+            comparison = compare_with_baseline(job, baseline, result.best)
     if as_json:
-        _emit_json(plan_json(result))
+        summary = plan_json(result)
+        if comparison is not None:
+            summary["baseline"] = comparison.to_value()
+        _emit_json(summary)
     else:
         _print_plan(result, files)
+        if comparison is not None:
+            click.echo(f"against the baseline ({baseline_path}):")
+            for line in comparison.lines():
+                click.echo(f"  {line}")
     if result.best is None:
         if not as_json:
             click.echo(f"does not fit: {result.infeasible_reason}", err=True)

@@ -138,7 +138,9 @@ def read_launch(path: str | Path, modules: tuple[str, ...], *,
                                                      else Path(here) / target, variables)
             continue
         try:
-            words = shlex.split(line, comments=True)
+            # Arithmetic first: $((1024 * 2)) holds spaces a word split would break.
+            words = shlex.split(_ARITHMETIC.sub(
+                lambda m: expand(m.group(0), variables), line), comments=True)
         except ValueError as exc:
             raise SpecError(f"cannot read this shell line ({exc}): {line[:80]}",
                             source=source) from None

@@ -1,0 +1,217 @@
+"""``hybridflow import``: launches written the way verl's and OpenRLHF's example scripts are
+(shell variables, arithmetic, continuation lines, legacy keys), read as a job and a plan; every
+setting the planner does not price refused in one line naming it; ``plan --baseline``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.export.importing import ImportContext, preset_for
+from planner.export.launch import expand, integer_arithmetic, read_launch
+from planner.export.openrlhf_import import import_openrlhf
+from planner.export.verl_import import import_verl
+from profiles.datafile import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+VERL_MODULES = ("verl.trainer.main_ppo",)
+
+GRPO_SCRIPT = """\
+set -x
+export VLLM_USE_V1=1
+gen_tp=2
+max_prompt_length=$((256 * 2))
+max_response_length=$((1024 * 2))
+n_resp=8
+use_kl_loss=False
+
+python3 -m verl.trainer.main_ppo \\
+    algorithm.adv_estimator=grpo \\
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.train_batch_size=256 \\
+    data.max_prompt_length=${max_prompt_length} \\
+    data.max_response_length=${max_response_length} \\
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct \\
+    actor_rollout_ref.model.use_remove_padding=True \\
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=64 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \\
+    actor_rollout_ref.actor.use_kl_loss=$use_kl_loss \\
+    actor_rollout_ref.rollout.name=vllm \\
+    actor_rollout_ref.rollout.tensor_model_parallel_size=$gen_tp \\
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6 \\
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \\
+    actor_rollout_ref.rollout.n=$n_resp \\
+    algorithm.use_kl_in_reward=False \\
+    trainer.n_gpus_per_node=8 \\
+    trainer.nnodes=${NNODES:-2} $@
+"""
+
+PPO_MEGATRON_SCRIPT = """\
+python3 -m verl.trainer.main_ppo --config-path=./config --config-name='ppo_megatron_trainer' \\
+    algorithm.adv_estimator=gae \\
+    data.train_batch_size=512 \\
+    data.max_prompt_length=1024 \\
+    data.max_response_length=512 \\
+    actor_rollout_ref.model.path=meta-llama/Llama-3.1-8B-Instruct \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=128 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 \\
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 \\
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \\
+    actor_rollout_ref.rollout.tensor_model_parallel_size=8 \\
+    actor_rollout_ref.rollout.name=vllm \\
+    critic.model.path=meta-llama/Llama-3.1-8B-Instruct \\
+    critic.ppo_micro_batch_size_per_gpu=2 \\
+    critic.megatron.tensor_model_parallel_size=4 \\
+    reward_model.enable=True \\
+    reward_model.model.path=/nonexistent/FsfairX-LLaMA3-RM \\
+    trainer.n_gpus_per_node=8 \\
+    trainer.nnodes=2
+"""
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_shell_expansion_and_arithmetic() -> None:
+    assert expand("${A:-x}/$B/${C}", {"B": "b", "C": "c"}) == "x/b/c"
+    assert expand("$((max * 2))", {"max": "1024"}) == "2048"
+    assert expand("$(( (a + b) * 3 ))", {"a": "2048", "b": "4096"}) == "18432"
+    assert integer_arithmetic("7 / 2") == 3
+    assert integer_arithmetic("os.system(1)") is None
+    assert expand("$UNSET/x", {}) == "$UNSET/x"
+
+
+def test_hub_names_match_presets_of_the_same_architecture() -> None:
+    assert preset_for("Qwen/Qwen2.5-7B-Instruct") == "qwen2.5-7b"
+    assert preset_for("Qwen/Qwen2-7B-Instruct") == "qwen2.5-7b"
+    assert preset_for("Qwen/Qwen2.5-Math-7B") == "qwen2.5-7b"
+    assert preset_for("meta-llama/Llama-3.1-8B-Instruct") == "llama3.1-8b"
+    assert preset_for("deepseek-ai/deepseek-llm-7b-chat") is None
+
+
+def test_a_verl_grpo_script_without_kl(tmp_path: Path) -> None:
+    script = write(tmp_path / "run.sh", GRPO_SCRIPT)
+    launch = read_launch(script, VERL_MODULES)
+    job, plan = import_verl(launch, ImportContext(device="h100-80gb"))
+    assert job.algorithm == "grpo" and job.kl_term == "none" and "ref" not in job.gpu_roles
+    assert job.cluster.total_gpus == 16  # ${NNODES:-2}
+    work = job.workload
+    assert (work.prompts_per_iteration, work.samples_per_prompt) == (256, 8)
+    assert (work.prompt_length, work.response_length.max_tokens) == (512, 2048)
+    assert work.mini_batches_per_epoch == 4 and work.infer_micro_batch_size == 8
+    actor = plan.roles["actor"]
+    assert actor.parallel.short() == "pp1-tp1-dp16-fsdp" and actor.parallel.recompute == "full"
+    assert actor.parallel.micro_batch_size == 2
+    assert (actor.generation.tp, actor.generation.memory_utilization) == (2, 0.6)
+    # NNODES from outside the script.
+    launch = read_launch(script, VERL_MODULES, env={"NNODES": "4"})
+    job, _ = import_verl(launch, ImportContext(device="h100-80gb"))
+    assert job.cluster.total_gpus == 32
+
+
+def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
+    script = write(tmp_path / "run.sh", PPO_MEGATRON_SCRIPT)
+    launch = read_launch(script, VERL_MODULES)
+    with pytest.raises(SpecError, match="give --model reward=") as info:
+        import_verl(launch, ImportContext(device="h100-80gb"))
+    assert info.value.key == "reward.reward_model.model_path"
+    job, plan = import_verl(launch, ImportContext(device="h100-80gb",
+                                                  models={"reward": "llama3.1-8b"}))
+    assert job.algorithm == "ppo" and job.kl_term == "none"
+    assert plan.placement == "actor,critic,reward"
+    assert plan.roles["actor"].parallel.short() == "pp2-tp4-dp2-zero1"
+    # The critic keeps verl's pp default (1) and its own tp.
+    assert plan.roles["critic"].parallel.short() == "pp1-tp4-dp4-zero1"
+    assert plan.roles["actor"].generation.tp == 8  # vLLM's own copy: any tp
+    assert plan.roles["reward"].parallel.tp == 2  # verl's reward server default
+
+
+@pytest.mark.parametrize(("line", "key"), [
+    ("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.use_dynamic_bsz"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_rank"),
+    ("actor_rollout_ref.actor.fsdp_config.fsdp_size=4",
+     "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
+    ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator"),
+])
+def test_an_unpriced_verl_setting_is_refused_by_name(tmp_path: Path, line: str,
+                                                     key: str) -> None:
+    text = GRPO_SCRIPT.replace("    trainer.n_gpus_per_node=8", f"    {line} \\\n"
+                               "    trainer.n_gpus_per_node=8")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    with pytest.raises(SpecError) as info:
+        import_verl(launch, ImportContext(device="h100-80gb"))
+    assert info.value.key == key and "\n" not in str(info.value)
+
+
+def test_an_openrlhf_launch_with_legacy_flags(tmp_path: Path) -> None:
+    args = write(tmp_path / "args.txt", """\
+--ref_num_nodes 1
+--ref_num_gpus_per_node 8
+--actor_num_nodes 1
+--actor_num_gpus_per_node 8
+--vllm_num_engines 4
+--vllm_tensor_parallel_size 2
+--colocate_all_models
+--pretrain OpenRLHF/Llama-3-8b-sft-mixture
+--remote_rm_url /path/to/reward_func.py
+--advantage_estimator group_norm
+--n_samples_per_prompt 8
+--rollout_batch_size 128
+--train_batch_size 256
+--micro_train_batch_size 1
+--micro_rollout_batch_size 4
+--prompt_max_len 1024
+--generate_max_len 1024
+--zero_stage 3
+--gradient_checkpointing
+--packing_samples
+--init_kl_coef 1e-3
+--use_kl_loss
+""")
+    launch = read_launch(args, ("openrlhf.cli.train_ppo_ray",))
+    job, plan = import_openrlhf(launch, ImportContext(device="a100-80gb",
+                                                      models={"actor": "llama3-8b"}))
+    assert job.algorithm == "grpo" and job.kl_term == "loss"
+    assert plan.placement == "actor,ref"
+    assert plan.roles["actor"].parallel.short() == "pp1-tp1-dp8-fsdp"
+    assert plan.roles["actor"].parallel.recompute == "full"
+    assert plan.roles["ref"].parallel.sharding == "fsdp"
+    assert job.workload.mini_batches_per_epoch == 4  # 128 x 8 / 256
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
+
+
+def test_import_then_plan_against_it(tmp_path: Path) -> None:
+    script = write(tmp_path / "run.sh", GRPO_SCRIPT)
+    done = run("import", str(script), "--from", "verl", "--device", "h100-80gb", "--out",
+               str(tmp_path / "imp"), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["feasible"] and summary["iteration_seconds"] > 0
+    assert "actor.generate" in summary["stages"] and "ref.infer" not in summary["stages"]
+    planned = run("plan", "--baseline", str(tmp_path / "imp" / "plan.json"), "--out",
+                  str(tmp_path / "rep"), "--json")
+    assert planned.returncode == 0, planned.stderr
+    result = json.loads(planned.stdout)
+    baseline = result["baseline"]
+    assert baseline["baseline_iteration_seconds"] == pytest.approx(
+        summary["iteration_seconds"])
+    assert baseline["saved_seconds"] == pytest.approx(
+        baseline["baseline_iteration_seconds"] - result["best"]["iteration_seconds"])
+    assert baseline["stage_changes"]
+    # Bad input: one line, exit 2.
+    bad = run("import", str(script), "--from", "verl")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--device" in bad.stderr
