@@ -158,6 +158,10 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
         else:
             check_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
                          generation=rp.generation)
+        if rp.parallel.offload_params or rp.parallel.offload_optimizer:
+            raise SpecError("the executor keeps every state on its GPUs between calls (no "
+                            "offload); plan the job with framework: hybridflow",
+                            key=f"roles.{role}.parallel.offload_params")
         if rp.generation is not None and plan.rollout is None and \
                 rp.parallel.tp % rp.generation.tp:
             raise SpecError(f"generation tp={rp.generation.tp} must divide training "

@@ -175,7 +175,9 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
         # A forward pass reads the layout's shape, sharding and sequence parallelism, not
         # the training micro-batch or recompute mode: those layouts share it.
         key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel,
-               par.ep, par.etp, par.moe_dispatcher) if node.operation == "infer" else None
+               par.ep, par.etp, par.moe_dispatcher, par.offload_params,
+               par.infer_micro_batch_tokens) \
+            if node.operation == "infer" else None
         cost = forwards.get(key) if key is not None else None
         if cost is None:
             estimate = model_node(job, node, plan, location=0, resident=resident,
@@ -193,7 +195,9 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
 def plan_label(plan: RolePlan) -> str:
     """A role's config as one comparable string (also the tie-break between equal plans)."""
     par = plan.parallel
-    text = f"{par.short()}-mb{par.micro_batch_size}-{par.recompute}"
+    batch = f"tok{par.micro_batch_tokens}" if par.micro_batch_tokens else \
+        f"mb{par.micro_batch_size}"
+    text = f"{par.short()}-{batch}-{par.recompute}"
     if plan.generation is not None:
         text += f"/{plan.generation.short()}"
     return text

@@ -283,10 +283,13 @@ def missed_deadline(job: JobSpec, options: SearchOptions) -> str:
 
 
 def minimum_state(job: JobSpec, role: str, gpus: int) -> MemoryBreakdown | None:
-    """The smallest resident state of ``role`` over its configs on ``gpus`` GPUs."""
+    """The smallest state of ``role`` over its configs on ``gpus`` GPUs while it runs (what a
+    layout keeps in host memory between calls is on the GPU during them)."""
     from planner.space import role_configs
 
-    states = [role_state(job, role, p.parallel)[0] for p in role_configs(job, role, gpus)]
+    states = [role_state(job, role, replace(p.parallel, offload_params=False,
+                                            offload_optimizer=False))[0]
+              for p in role_configs(job, role, gpus)]
     return min(states, key=lambda m: m.total, default=None)
 
 

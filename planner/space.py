@@ -422,26 +422,47 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         else:
             sequence_parallel = pins.get("sequence_parallel", engine.sequence_parallel) \
                 and layout.tp > 1 and layout.sharding != "fsdp"
-        for ep, etp in expert_layouts(job, role, layout, gpus, pins):
-            for mbs in _micro_batches(job, trained, pins, options):
-                for recompute in _recomputes(trained, engine, pins, options, variant):
-                    par = ParallelConfig(
-                        tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
-                        vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
-                        recompute=recompute,  # type: ignore[arg-type]
-                        sequence_parallel=sequence_parallel, micro_batch_size=mbs,
-                        overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
-                        ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"))
-                    if not meets_batch_rules(job, role, par, space, engine.family):
-                        continue
-                    backend = "torch" if engine.family == "torch" and torch_runs(par) \
-                        else "megatron"
-                    if not generates:
-                        out.append(RolePlan(parallel=par, training_backend=backend))
-                        continue
-                    out += [RolePlan(parallel=par, generation=gen, training_backend=backend)
-                            for gen in _generations(job, role, gpus, par, pins, space,
-                                                    options)]
+        knobs = [(ep_etp, batching, recompute, offload)
+                 for ep_etp in expert_layouts(job, role, layout, gpus, pins)
+                 for batching in _batchings(job, trained, engine, pins, options)
+                 for recompute in _recomputes(trained, engine, pins, options, variant)
+                 for offload in _offloads(trained, engine, job)]
+        for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
+                                                                 offload_optimizer) in knobs:
+            par = ParallelConfig(
+                tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
+                vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
+                recompute=recompute,  # type: ignore[arg-type]
+                sequence_parallel=sequence_parallel, micro_batch_size=mbs,
+                overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
+                ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"),
+                offload_params=offload_params, offload_optimizer=offload_optimizer,
+                micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens)
+            if not meets_batch_rules(job, role, par, space, engine.family):
+                continue
+            backend = "torch" if engine.family == "torch" and torch_runs(par) \
+                else "megatron"
+            if not generates:
+                out.append(RolePlan(parallel=par, training_backend=backend))
+                continue
+            out += [RolePlan(parallel=par, generation=gen, training_backend=backend)
+                    for gen in _generations(job, role, gpus, par, pins, space,
+                                            options)]
+    return out
+
+
+def _offloads(trained: bool, engine: EngineSpace, job: JobSpec) -> list[tuple[bool, bool]]:
+    """(offload_params, offload_optimizer) to try: on the GPU, and, where the engine can keep
+    them in host memory between calls and the device profile prices the copies (its
+    host_link), all of a trained model's states (parameters and optimizer) or a frozen
+    model's parameters."""
+    out = [(False, False)]
+    if job.cluster.profile().host_link is None:
+        return out
+    if trained and {"params", "optimizer"} <= set(engine.offload):
+        out.append((True, True))
+    elif not trained and "params" in engine.offload:
+        out.append((True, False))
     return out
 
 
@@ -450,6 +471,24 @@ def _micro_batches(job: JobSpec, trained: bool, pins: dict[str, Any],
     if "micro_batch_size" in pins:
         return (pins["micro_batch_size"],)
     return options.micro_batches if trained else (job.workload.infer_micro_batch_size,)
+
+
+def _batchings(job: JobSpec, trained: bool, engine: EngineSpace, pins: dict[str, Any],
+               options: SpaceOptions) -> list[tuple[int, int, int]]:
+    """(micro_batch_size, training token budget, forward token budget) to try: micro-batches
+    of whole sequences, and, on an engine that forms them by a token budget and for
+    responses of varying length (for one length the two are the same), budgets of as many
+    longest sequences (verl requires a budget of at least the longest sequence)."""
+    out = [(mbs, 0, 0) for mbs in _micro_batches(job, trained, pins, options)]
+    work = job.workload
+    if not engine.token_budget or "micro_batch_size" in pins \
+            or work.response_length.max_tokens == work.response_length.mean_tokens():
+        return out
+    longest = work.max_sequence_tokens
+    infer = work.infer_micro_batch_size * longest
+    if not trained:
+        return [*out, (work.infer_micro_batch_size, 0, infer)]
+    return [*out, *((1, mbs * longest, infer) for mbs in options.micro_batches)]
 
 
 def _recomputes(trained: bool, engine: EngineSpace, pins: dict[str, Any],

@@ -16,6 +16,7 @@ each sequence then stands for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -121,3 +122,20 @@ def pack_stratified_batch(response_length: LengthDistribution, sequences: int,
     lengths = tuple(prompt_tokens + r for r in response_length.sample(sequences))
     return pack_batch(lengths, capacity_tokens=capacity_tokens, data_parallel=data_parallel,
                       pad_to_longest_bin=pad_to_longest_bin)
+
+
+def token_budget_batch(sequences: int, mean_tokens: float, longest_tokens: int, *,
+                       budget_tokens: int, data_parallel: int) -> PackedBatch:
+    """Micro-batches by a token budget per GPU, as verl forms them with use_dynamic_bsz: the
+    batch's tokens are spread evenly over the data-parallel ranks (trainer.balance_batch), and
+    each rank's sequences are split into min(sequences, ceil(tokens / budget)) micro-batches
+    of balanced work (verl 0.9.1 verl/utils/seqlen_balancing.py:348-440,
+    rearrange_micro_batches; the count is synced to the largest over the ranks, which are
+    even here). Sequences are not padded (remove-padding packs them); the fullest micro-batch
+    holds the longest sequence at least."""
+    per_rank = max(1, -(-sequences // data_parallel))
+    tokens = per_rank * mean_tokens
+    count = max(1, min(per_rank, math.ceil(tokens / budget_tokens)))
+    return PackedBatch(micro_batches=count, sequences_per_micro_batch=per_rank / count,
+                       tokens_per_sequence=mean_tokens, capacity_tokens=budget_tokens,
+                       largest_bin_tokens=max(longest_tokens, math.ceil(tokens / count)))

@@ -23,7 +23,12 @@ from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_st
 from simulator.costs.transfer import controller_dispatch_seconds, transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
-from simulator.packing import PackedBatch, bin_capacity_tokens, pack_stratified_batch
+from simulator.packing import (
+    PackedBatch,
+    bin_capacity_tokens,
+    pack_stratified_batch,
+    token_budget_batch,
+)
 from simulator.plan import Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, RULE_ROLES, Node
@@ -152,16 +157,58 @@ def grad_bytes_per_param(job: JobSpec, par: ParallelConfig) -> int:
     return DTYPE_BYTES[job.workload.dtype]
 
 
+def full_role_state(job: JobSpec, role: str, par: ParallelConfig) -> MemoryBreakdown:
+    """A role's per-GPU state (weights; for trained roles also gradients and Adam states),
+    wherever it lives between calls."""
+    return optimizer_memory(job.model(role), par, value_head=role in VALUE_HEAD_ROLES,
+                            trainable=role in job.dataflow.trained_roles,
+                            dtype=job.workload.dtype, grad_bytes=grad_bytes_per_param(job, par))
+
+
+def between_calls_on_host(job: JobSpec, role: str, par: ParallelConfig) -> MemoryBreakdown:
+    """The states the layout keeps in host memory between the role's calls (its
+    ``offload_params`` / ``offload_optimizer``), per GPU."""
+    if not (par.offload_params or par.offload_optimizer):
+        return MemoryBreakdown()
+    state = full_role_state(job, role, par)
+    return MemoryBreakdown(params=state.params if par.offload_params else 0.0,
+                           optimizer=state.optimizer if par.offload_optimizer else 0.0)
+
+
+def call_offload_seconds(job: JobSpec, role: str, par: ParallelConfig,
+                         operation: str) -> tuple[MemoryBreakdown, float]:
+    """What one call of ``operation`` brings from host memory (the states it needs that the
+    layout keeps there between calls) and the seconds of copying them in and back out: the
+    parameters for any call (a generation's weight sync included), the optimizer states for
+    an update. verl's offload_fsdp_model_to_cpu / load_fsdp_model_to_gpu and
+    offload_fsdp_optimizer copy with ``.to(device, non_blocking=True)`` (verl 0.9.1
+    verl/utils/fsdp_utils.py:169-261); the framework's ``params_to`` / ``optimizer_to`` say
+    how (see HostCopy)."""
+    kept = between_calls_on_host(job, role, par)
+    needed = MemoryBreakdown(params=kept.params,
+                             optimizer=kept.optimizer if operation == "train" else 0.0)
+    if needed.total <= 0:
+        return MemoryBreakdown(), 0.0
+    offload = job.framework_profile.offload
+    profile = job.cluster.profile()
+    seconds = 0.0
+    for nbytes, how, what in ((needed.params, offload.params_to, "parameters"),
+                              (needed.optimizer, offload.optimizer_to, "optimizer states")):
+        out, back = host_copy_seconds(profile, how if how != "freed" else "pinned_buffer",
+                                      nbytes, what)
+        seconds += out + back
+    return needed, seconds
+
+
 def role_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
     """A role's resident per-GPU state (weights; for trained roles also gradients and Adam
-    states) and the gradient bytes that exist only while it trains (FSDP frees its gradients
-    after the optimizer step; Megatron keeps its contiguous gradient buffer). A reference the
-    framework keeps in host memory holds nothing on the GPU."""
+    states, less what its layout keeps in host memory between calls) and the gradient bytes
+    that exist only while it trains (FSDP frees its gradients after the optimizer step;
+    Megatron keeps its contiguous gradient buffer). A reference the framework keeps in host
+    memory holds nothing on the GPU."""
     if role == "ref" and job.reference_on_host:
         return MemoryBreakdown(), 0.0
-    state = optimizer_memory(job.model(role), par, value_head=role in VALUE_HEAD_ROLES,
-                             trainable=role in job.dataflow.trained_roles,
-                             dtype=job.workload.dtype, grad_bytes=grad_bytes_per_param(job, par))
+    state = full_role_state(job, role, par) - between_calls_on_host(job, role, par)
     if par.sharding == "fsdp":
         return replace(state, grads=0.0), state.grads
     return state, 0.0
@@ -191,8 +238,13 @@ def offload_copy_seconds(job: JobSpec, role: str,
     runs on its GPUs, per GPU, and the seconds of moving it out and of bringing it back
     (nothing when the actor generates elsewhere)."""
     offload = job.framework_profile.offload
-    if not offload.any or role not in job.dataflow.trained_roles or job.generation_elsewhere:
+    if job.generation_elsewhere:
         return MemoryBreakdown(), 0.0, 0.0
+    # The actor's own parameters kept in host memory come in for the weight sync and go back.
+    _, sync_copies = call_offload_seconds(job, role, par, "generate") \
+        if "generate" in job.dataflow.operations_of(role) else (None, 0.0)
+    if not offload.any or role not in job.dataflow.trained_roles:
+        return MemoryBreakdown(), sync_copies / 2, sync_copies / 2
     state, _ = role_state(job, role, par)
     moved = MemoryBreakdown(params=state.params if offload.params else 0.0,
                             grads=state.grads if offload.grads else 0.0,
@@ -205,7 +257,7 @@ def offload_copy_seconds(job: JobSpec, role: str,
         one_out, one_back = host_copy_seconds(profile, how, nbytes, what)
         out += one_out
         back += one_back
-    return moved, out, back
+    return moved, out + sync_copies / 2, back + sync_copies / 2
 
 
 def offload_state(job: JobSpec, role: str, par: ParallelConfig) -> tuple[MemoryBreakdown, float]:
@@ -392,7 +444,8 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     training = job.framework_profile.training
     if node.operation == "infer":
         packed = packed_batch(job, par, sequences=math.ceil(sequences),
-                              micro_batch_size=work.infer_micro_batch_size)
+                              micro_batch_size=work.infer_micro_batch_size,
+                              budget_tokens=par.infer_micro_batch_tokens)
         cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
                             seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
                             dtype=dtype, value_head=value_head, gpus_per_node=gpn,
@@ -408,23 +461,26 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                  + profile.overheads.operation_seconds)
         swap = reference_swap_seconds(job, par) if (
             role == "ref" and job.reference_on_host) else 0.0
+        loaded, copies = call_offload_seconds(job, role, par, "infer")
         dispatch = dispatch_seconds(job, node, par, sequences)
         # A swapped-in reference takes the place of the actor's weights (which wait in host
         # memory): the set's resident state already counts one set of weights.
         return NodeEstimate(
             name=node.name, role=role, operation="infer", location=location,
             seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap
-            + dispatch,
+            + dispatch + copies,
             sequences=sequences, tokens=tokens,
-            transient=MemoryBreakdown(activations=activations),
+            transient=MemoryBreakdown(activations=activations) + loaded,
             detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
-                    "swap_seconds": swap, "dispatch_seconds": dispatch})
+                    "swap_seconds": swap, "dispatch_seconds": dispatch,
+                    "offload_copy_seconds": copies})
     steps = work.ppo_epochs * work.mini_batches_per_epoch
     batch = math.ceil(sequences / work.mini_batches_per_epoch)
     if node.pretrain_loss:
         batch *= 2  # as many pretraining (ptx) sequences as RL sequences
     grad_bytes = grad_bytes_per_param(job, par)
-    packed = packed_batch(job, par, sequences=batch, micro_batch_size=par.micro_batch_size)
+    packed = packed_batch(job, par, sequences=batch, micro_batch_size=par.micro_batch_size,
+                          budget_tokens=par.micro_batch_tokens)
     step = train_step(model, profile, par, global_batch=batch, seq_len=mean_tokens,
                       dtype=dtype, value_head=value_head, gpus_per_node=gpn,
                       grad_bytes=grad_bytes, packed=packed,
@@ -443,13 +499,16 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     detail["seconds_per_step"] = step_seconds
     dispatch = dispatch_seconds(job, node, par, sequences)
     detail["dispatch_seconds"] = dispatch
+    loaded, copies = call_offload_seconds(job, role, par, "train")
+    detail["offload_copy_seconds"] = copies
     return NodeEstimate(
         name=node.name, role=role, operation="train", location=location,
         seconds=(steps * step_seconds + profile.overheads.operation_seconds)
-        * host_slowdown(job, par.world_size) + dispatch,
+        * host_slowdown(job, par.world_size) + dispatch + copies,
         sequences=sequences * work.ppo_epochs,
         tokens=tokens * work.ppo_epochs,
-        transient=MemoryBreakdown(grads=freed_grads, activations=activations), detail=detail)
+        transient=MemoryBreakdown(grads=freed_grads, activations=activations) + loaded,
+        detail=detail)
 
 
 def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: float) -> float:
@@ -470,13 +529,18 @@ def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: f
 
 
 def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
-                 micro_batch_size: int) -> PackedBatch | None:
-    """The busiest data-parallel rank's micro-batches when the framework packs sequences
-    (``sequence_packing``): the batch's stratified prompt + response lengths packed into bins
-    of the longest sequence x ``micro_batch_size`` tokens; None when it does not pack."""
+                 micro_batch_size: int, budget_tokens: int = 0) -> PackedBatch | None:
+    """The busiest data-parallel rank's micro-batches when the layout sets a token budget
+    (``budget_tokens``: verl's dynamic batch size) or the framework packs sequences
+    (``sequence_packing``: the batch's stratified prompt + response lengths packed into bins
+    of the longest sequence x ``micro_batch_size`` tokens); None when neither."""
+    work = job.workload
+    if budget_tokens:
+        return token_budget_batch(sequences, work.mean_sequence_tokens(),
+                                  work.max_sequence_tokens, budget_tokens=budget_tokens,
+                                  data_parallel=par.dp)
     if not job.framework_profile.training.sequence_packing:
         return None
-    work = job.workload
     return pack_stratified_batch(
         work.response_length, sequences, work.prompt_length,
         capacity_tokens=bin_capacity_tokens(work.max_sequence_tokens, micro_batch_size),

@@ -134,7 +134,7 @@ def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "key"), [
-    ("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.use_dynamic_bsz"),
+    ("actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.enforce_eager"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
      "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
@@ -215,3 +215,26 @@ def test_import_then_plan_against_it(tmp_path: Path) -> None:
     # Bad input: one line, exit 2.
     bad = run("import", str(script), "--from", "verl")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--device" in bad.stderr
+
+
+def test_token_budgets_and_host_memory_between_calls(tmp_path: Path) -> None:
+    text = GRPO_SCRIPT.replace("use_kl_loss=False", "use_kl_loss=True").replace(
+        "    trainer.n_gpus_per_node=8", """\
+    actor_rollout_ref.actor.use_dynamic_bsz=True \\
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$(( (max_prompt_length + \\
+max_response_length) * 2 )) \\
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=12000 \\
+    actor_rollout_ref.ref.fsdp_config.param_offload=True \\
+    trainer.n_gpus_per_node=8""")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    _, plan = import_verl(launch, ImportContext(device="h100-80gb"))
+    actor, ref = plan.roles["actor"].parallel, plan.roles["ref"].parallel
+    assert (actor.micro_batch_tokens, actor.infer_micro_batch_tokens) == (5120, 12000)
+    # The reference's log-prob settings follow the actor's (verl's interpolation).
+    assert ref.infer_micro_batch_tokens == 5120 and ref.offload_params
+    assert not actor.offload_params
+    text = text.replace("log_prob_max_token_len_per_gpu=12000",
+                        "log_prob_max_token_len_per_gpu=1000")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    with pytest.raises(SpecError, match="at least the longest sequence"):
+        import_verl(launch, ImportContext(device="h100-80gb"))

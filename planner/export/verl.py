@@ -162,9 +162,9 @@ def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_
         sequence = f"{prefix}.ulysses_sequence_parallel_size=1"
         return [f"{model_prefix}.enable_gradient_checkpointing={_bool(recompute != 'none')}",
                 f"{model_prefix}.use_remove_padding=true",
-                f"{prefix}.use_dynamic_bsz=false", sequence,
-                f"{fsdp}.param_offload={_bool(offload.params)}",
-                f"{fsdp}.optimizer_offload={_bool(offload.optimizer)}"]
+                *_token_budgets(role, par, prefix), sequence,
+                f"{fsdp}.param_offload={_bool(par.offload_params or offload.params)}",
+                f"{fsdp}.optimizer_offload={_bool(par.offload_optimizer or offload.optimizer)}"]
     override = f"{prefix}.megatron.override_transformer_config"
     recompute = {
         "none": [f"{override}.recompute_granularity=null"],
@@ -176,12 +176,39 @@ def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_
     ddp = f"+{prefix}.megatron.override_ddp_config"
     return [
         *recompute,
-        f"{prefix}.use_dynamic_bsz=false",
-        f"{prefix}.megatron.param_offload={_bool(offload.params)}",
-        f"{prefix}.megatron.optimizer_offload={_bool(offload.optimizer)}",
+        *_token_budgets(role, par, prefix),
+        f"{prefix}.megatron.param_offload={_bool(par.offload_params or offload.params)}",
+        f"{prefix}.megatron.optimizer_offload="
+        f"{_bool(par.offload_optimizer or offload.optimizer)}",
         f"{ddp}.overlap_grad_reduce={_bool(par.overlap_grad_reduce)}",
         f"{ddp}.overlap_param_gather={_bool(par.overlap_param_gather)}",
     ]
+
+
+def _token_budgets(role: str, par: ParallelConfig, prefix: str) -> list[str]:
+    """Micro-batches by a token budget (use_dynamic_bsz) or by sequence count, for the
+    training passes and the forward-only ones (the actor's old log-probs run on the rollout
+    worker's settings, the critic's values on forward_max_token_len_per_gpu)."""
+    dynamic = bool(par.micro_batch_tokens)
+    forward = bool(par.infer_micro_batch_tokens)
+    if dynamic != forward:
+        raise SpecError(f"verl switches token budgets on for the training and forward passes "
+                        f"of {role} together (use_dynamic_bsz): the plan has "
+                        f"micro_batch_tokens {par.micro_batch_tokens} and "
+                        f"infer_micro_batch_tokens {par.infer_micro_batch_tokens}",
+                        key=f"roles.{role}.parallel.micro_batch_tokens")
+    out = [f"{prefix}.use_dynamic_bsz={_bool(dynamic)}"]
+    if dynamic:
+        out.append(f"{prefix}.ppo_max_token_len_per_gpu={par.micro_batch_tokens}")
+    if role == "actor":
+        rollout = "actor_rollout_ref.rollout"
+        out.append(f"{rollout}.log_prob_use_dynamic_bsz={_bool(forward)}")
+        if forward:
+            out.append(f"{rollout}.log_prob_max_token_len_per_gpu="
+                       f"{par.infer_micro_batch_tokens}")
+    elif forward:
+        out.append(f"{prefix}.forward_max_token_len_per_gpu={par.infer_micro_batch_tokens}")
+    return out
 
 
 def _uneven_stages(role: str, par: ParallelConfig, model: ModelSpec, prefix: str) -> list[str]:
@@ -266,6 +293,10 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
         ref = plan.roles["ref"]
         out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
                    f"{ref.parallel.micro_batch_size}")
+        budget = ref.parallel.infer_micro_batch_tokens
+        out.append(f"actor_rollout_ref.ref.log_prob_use_dynamic_bsz={_bool(bool(budget))}")
+        if budget:
+            out.append(f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}")
         if outer_stage_layers(job.model("ref").layers, ref.parallel.pp) != outer_stage_layers(
                 job.model("actor").layers, actor.parallel.pp):
             raise SpecError("verl's reference takes the actor's first/last pipeline stage "
@@ -275,7 +306,7 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
         out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
                             model=job.model("ref"))
         out.append(f"actor_rollout_ref.ref.{'fsdp_config' if engine == 'fsdp' else 'megatron'}"
-                   ".param_offload=false")
+                   f".param_offload={_bool(ref.parallel.offload_params)}")
     out += _rollout(plan, job, gen)
     if "critic" in plan.roles:
         critic = plan.roles["critic"]

@@ -43,6 +43,9 @@ VERL_DEFAULTS: dict[str, Any] = {
     "data.max_prompt_length": 512,
     "data.max_response_length": 512,
     "actor_rollout_ref.actor.ppo_mini_batch_size": 256,
+    "actor_rollout_ref.actor.use_dynamic_bsz": False,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 16384,
+    "critic.ppo_max_token_len_per_gpu": 32768,
     "actor_rollout_ref.actor.ppo_epochs": 1,
     "actor_rollout_ref.actor.use_kl_loss": False,
     "algorithm.use_kl_in_reward": False,
@@ -93,26 +96,10 @@ def _above_one(value: Any) -> bool:
 
 
 UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("actor_rollout_ref.actor.use_dynamic_bsz", _true,
-     "micro-batches by a token budget are not priced yet; set it false with "
-     "ppo_micro_batch_size_per_gpu"),
-    ("critic.use_dynamic_bsz", _true, "micro-batches by a token budget are not priced yet"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", _above_one,
      "Ulysses sequence parallelism is not priced yet"),
     ("critic.ulysses_sequence_parallel_size", _above_one,
      "Ulysses sequence parallelism is not priced yet"),
-    ("actor_rollout_ref.actor.fsdp_config.param_offload", _true,
-     "parameter offload between calls is not priced yet"),
-    ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", _true,
-     "optimizer offload between calls is not priced yet"),
-    ("actor_rollout_ref.ref.fsdp_config.param_offload", _true,
-     "parameter offload between calls is not priced yet"),
-    ("critic.fsdp.param_offload", _true, "parameter offload between calls is not priced yet"),
-    ("critic.fsdp.optimizer_offload", _true, "optimizer offload between calls is not priced yet"),
-    ("actor_rollout_ref.actor.megatron.param_offload", _true,
-     "parameter offload between calls is not priced yet"),
-    ("actor_rollout_ref.actor.megatron.optimizer_offload", _true,
-     "optimizer offload between calls is not priced yet"),
     ("actor_rollout_ref.model.lora_rank", _above_one, "LoRA training is not priced"),
     ("actor_rollout_ref.actor.megatron.context_parallel_size", _above_one,
      "context parallelism is not priced"),
@@ -283,7 +270,8 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         samples_per_prompt=s.int("actor_rollout_ref.rollout.n"),
         ppo_epochs=s.int("actor_rollout_ref.actor.ppo_epochs"),
         mini_batches_per_epoch=prompts // mini,
-        train_micro_batch_size=_micro_batch(s, "actor_rollout_ref.actor"),
+        train_micro_batch_size=1 if s.bool("actor_rollout_ref.actor.use_dynamic_bsz")
+        else _micro_batch(s, "actor_rollout_ref.actor"),
         infer_micro_batch_size=infer_mbs)
     if context.job is not None:
         workload = replace(workload, dtype=context.job.workload.dtype,
@@ -382,9 +370,46 @@ def _layout(s: VerlSettings, job: JobSpec, roles: list[str], trainer_gpus: int,
                         rollout_gpus=rollout_gpus)
 
 
+def _budgets(s: VerlSettings, role: str, job: JobSpec) -> tuple[int, int]:
+    """(training, forward) token budgets of ``role`` (0: micro-batches by sequence count), as
+    verl 0.9.1 defaults them: the reference's and the rollout's log-prob settings follow the
+    actor's, the critic's forward budget its training one."""
+    actor = "actor_rollout_ref.actor"
+    dynamic = s.bool(f"{actor}.use_dynamic_bsz")
+    budget = s.int(f"{actor}.ppo_max_token_len_per_gpu")
+    if role == "actor":
+        keys = (f"{actor}.use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz")
+        train = budget if dynamic else 0
+        forward_on = s.bool(keys[1], dynamic)
+        forward = s.int("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", budget)
+    elif role == "ref":
+        keys = ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz",) * 2
+        forward_on = s.bool(keys[0], dynamic)
+        train, forward = 0, s.int("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                                  budget)
+        return 0, forward if forward_on else 0
+    else:
+        keys = ("critic.use_dynamic_bsz",) * 2
+        on = s.bool(keys[0], dynamic)
+        critic_budget = s.int("critic.ppo_max_token_len_per_gpu")
+        train = critic_budget if on else 0
+        forward_on = on
+        forward = s.int("critic.forward_max_token_len_per_gpu", critic_budget)
+    if bool(train) != forward_on:
+        raise SpecError("token budgets on for the training passes but not the log-prob ones "
+                        "(or the other way) are not priced: set both the same", key=keys[1])
+    longest = job.workload.max_sequence_tokens
+    for value in (train, forward if forward_on else 0):
+        if value and value < longest:
+            raise SpecError(f"{value} tokens: verl needs a budget of at least the longest "
+                            f"sequence ({longest})", key=keys[0])
+    return train, forward if forward_on else 0
+
+
 def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: str,
              job: JobSpec) -> RolePlan:
-    mbs = _micro_batch(s, prefix)
+    tokens, forward_tokens = _budgets(s, role, job)
+    mbs = 1 if tokens else _micro_batch(s, prefix)
     grad, param = job.overlap_for(role)
     if s.engine == "fsdp":
         fsdp_key = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
@@ -394,10 +419,15 @@ def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: s
         par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
                              recompute=recompute,  # type: ignore[arg-type]
                              sequence_parallel=False, micro_batch_size=mbs,
-                             overlap_grad_reduce=grad, overlap_param_gather=param)
+                             overlap_grad_reduce=grad, overlap_param_gather=param,
+                             offload_params=s.bool(f"{fsdp_key}.param_offload"),
+                             offload_optimizer=s.bool(f"{fsdp_key}.optimizer_offload"),
+                             micro_batch_tokens=tokens, infer_micro_batch_tokens=forward_tokens)
         return RolePlan(parallel=par, training_backend="torch")
-    return RolePlan(parallel=_megatron(s, f"{prefix}.megatron", gpus, trained=True, mbs=mbs,
-                                       overlap=(grad, param)),
+    par = _megatron(s, f"{prefix}.megatron", gpus, trained=True, mbs=mbs,
+                    overlap=(grad, param))
+    return RolePlan(parallel=replace(par, micro_batch_tokens=tokens,
+                                     infer_micro_batch_tokens=forward_tokens),
                     training_backend="megatron")
 
 
@@ -432,21 +462,28 @@ def _megatron(s: VerlSettings, prefix: str, gpus: int, *, trained: bool, mbs: in
                           recompute=recompute if trained else "none",  # type: ignore[arg-type]
                           sequence_parallel=s.bool(f"{prefix}.sequence_parallel") and tp > 1,
                           micro_batch_size=mbs, overlap_grad_reduce=grad,
-                          overlap_param_gather=gather, ep=ep, etp=etp if ep > 1 else 1)
+                          overlap_param_gather=gather, ep=ep, etp=etp if ep > 1 else 1,
+                          offload_params=s.bool(f"{prefix}.param_offload"),
+                          offload_optimizer=trained and s.bool(f"{prefix}.optimizer_offload"))
 
 
 def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
     mbs = s.int("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
                 job.workload.infer_micro_batch_size)
     grad, param = job.overlap_for("ref")
+    _, forward_tokens = _budgets(s, "ref", job)
     if s.engine == "fsdp":
         sharding = _fsdp_sharding(s, "actor_rollout_ref.ref.fsdp_config.fsdp_size", gpus)
         par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
                              recompute="none", sequence_parallel=False, micro_batch_size=mbs,
-                             overlap_grad_reduce=grad, overlap_param_gather=param)
+                             overlap_grad_reduce=grad, overlap_param_gather=param,
+                             offload_params=s.bool("actor_rollout_ref.ref.fsdp_config."
+                                                   "param_offload"),
+                             infer_micro_batch_tokens=forward_tokens)
         return RolePlan(parallel=par, training_backend="torch")
-    return RolePlan(parallel=_megatron(s, "actor_rollout_ref.ref.megatron", gpus,
-                                       trained=False, mbs=mbs, overlap=(grad, param)),
+    par = _megatron(s, "actor_rollout_ref.ref.megatron", gpus, trained=False, mbs=mbs,
+                    overlap=(grad, param))
+    return RolePlan(parallel=replace(par, infer_micro_batch_tokens=forward_tokens),
                     training_backend="megatron")
 
 

@@ -81,6 +81,22 @@ class ParallelConfig:
     """Expert tensor parallel size (MoE): each expert's MLP split over etp ranks (Megatron's
     expert_tensor_parallel_size). ep * etp divides the tp * dp ranks of a pipeline stage,
     which Megatron regroups into expert-parallel groups."""
+    micro_batch_tokens: int = 0
+    """Training micro-batches by a token budget per GPU instead of ``micro_batch_size``
+    sequences (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu): each data-parallel
+    rank's sequences are split into ceil(tokens / budget) micro-batches of balanced work
+    (``simulator/packing.py token_budget_batch``). 0: by sequence count."""
+    infer_micro_batch_tokens: int = 0
+    """The same for the forward-only passes (log-probs, values: verl's
+    log_prob_max_token_len_per_gpu / forward_max_token_len_per_gpu). 0: the workload's
+    ``infer_micro_batch_size`` sequences."""
+    offload_params: bool = False
+    """The model's parameter shards live in host memory between its calls and are copied in
+    for each call and back after it (verl's param_offload): no GPU memory between calls,
+    two host-link copies per call."""
+    offload_optimizer: bool = False
+    """The same for the optimizer states (and fp32 master weights) around each update
+    (verl's optimizer_offload)."""
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -91,13 +107,19 @@ class ParallelConfig:
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp"):
             value = getattr(self, key)
             require(value >= 1, f"must be a positive integer, got {value}", key)
+        for key in ("micro_batch_tokens", "infer_micro_batch_tokens"):
+            value = getattr(self, key)
+            require(value >= 0, f"must be >= 0 (0: micro-batches by sequence count), got "
+                    f"{value}", key)
         require(self.vpp == 1 or self.pp > 1, "virtual pipeline stages need pp > 1", "vpp")
         require(self.sharding != "fsdp" or self.pp == 1,
                 "FSDP is not combined with pipeline parallelism here; use pp: 1", "pp")
         object.__setattr__(self, "_hash", hash((
             self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
-            self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher)))
+            self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher,
+            self.offload_params, self.offload_optimizer, self.micro_batch_tokens,
+            self.infer_micro_batch_tokens)))
 
     @property
     def world_size(self) -> int:
@@ -165,6 +187,9 @@ class ParallelConfig:
             label += f"-ep{self.ep}"
         if self.etp > 1:
             label += f"-etp{self.etp}"
+        if self.offload_params or self.offload_optimizer:
+            label += "-offload" + ("" if self.offload_params and self.offload_optimizer else
+                                   "-params" if self.offload_params else "-optimizer")
         return label
 
 

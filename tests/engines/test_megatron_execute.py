@@ -137,12 +137,13 @@ def test_pipeline_plan_with_the_distributed_optimizer_matches_the_torch_backend(
 
 
 def test_a_plan_made_by_plain_hybridflow_plan_executes(tmp_path: Path) -> None:
-    """``hybridflow plan`` (``--backend any``: torch and, installed here, Megatron-core
+    """``hybridflow plan`` (framework hybridflow: the executor's torch and Megatron-core
     layouts) on a tiny PPO job of 2 CPU workers; its plan names a backend per role and
     ``execute`` runs it."""
     job = tmp_path / "job.json"
     job.write_text(json.dumps({
-        "algorithm": "ppo", "models": {"actor": "tiny-2l-hd32", "critic": "tiny-2l-hd32",
+        "algorithm": "ppo", "framework": "hybridflow",
+        "models": {"actor": "tiny-2l-hd32", "critic": "tiny-2l-hd32",
                                        "ref": "tiny-2l-hd32", "reward": "rule"},
         "cluster": {"nodes": 1, "gpus_per_node": 2, "device": "cpu-2core-calibrated"},
         "workload": {"prompts_per_iteration": 8, "prompt_length": 5, "response_length": 5,
