@@ -158,6 +158,9 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
         else:
             check_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
                          generation=rp.generation)
+        if rp.parallel.ulysses > 1:
+            raise SpecError("the executor runs no Ulysses sequence parallelism; plan the job "
+                            "with framework: hybridflow", key=f"roles.{role}.parallel.ulysses")
         if rp.parallel.offload_params or rp.parallel.offload_optimizer:
             raise SpecError("the executor keeps every state on its GPUs between calls (no "
                             "offload); plan the job with framework: hybridflow",

@@ -117,8 +117,10 @@ def layout_differences(before: Plan, after: Plan) -> list[str]:
 
 
 def _layout(par: Any) -> str:
-    text = f"{par.short()} {par.recompute} recompute, micro-batch {par.micro_batch_size}"
-    return text
+    batches = (f"token budgets {par.micro_batch_tokens} / {par.infer_micro_batch_tokens}"
+               if par.micro_batch_tokens or par.infer_micro_batch_tokens
+               else f"micro-batch {par.micro_batch_size}")
+    return f"{par.short()} {par.recompute} recompute, {batches}"
 
 
 def _generation(gen: Any) -> str:

@@ -422,13 +422,14 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         else:
             sequence_parallel = pins.get("sequence_parallel", engine.sequence_parallel) \
                 and layout.tp > 1 and layout.sharding != "fsdp"
-        knobs = [(ep_etp, batching, recompute, offload)
+        knobs = [(ep_etp, batching, recompute, offload, sp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
                  for batching in _batchings(job, trained, engine, pins, options)
                  for recompute in _recomputes(trained, engine, pins, options, variant)
-                 for offload in _offloads(trained, engine, job)]
+                 for offload in _offloads(trained, engine, job)
+                 for sp in ulysses_sizes(job, role, layout, gpus)]
         for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
-                                                                 offload_optimizer) in knobs:
+                                                                 offload_optimizer), sp in knobs:
             par = ParallelConfig(
                 tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
                 vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
@@ -437,7 +438,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                 ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"),
                 offload_params=offload_params, offload_optimizer=offload_optimizer,
-                micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens)
+                micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens, ulysses=sp)
             if not meets_batch_rules(job, role, par, space, engine.family):
                 continue
             backend = "torch" if engine.family == "torch" and torch_runs(par) \
@@ -449,6 +450,33 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                     for gen in _generations(job, role, gpus, par, pins, space,
                                             options)]
     return out
+
+
+ULYSSES_FROM_TOKENS = 16384
+"""Sequences (prompt + response) from which the search offers Ulysses sequence parallelism:
+it saves activation memory (a rank holds 1 / sp of each sequence) at the price of four
+all-to-alls per layer and smaller kernels, which pays only once one sequence's activations
+weigh on a GPU (verl's long-response recipes: DAPO at 30k tokens runs sp 4; a search bound,
+not a rule of the framework)."""
+
+
+def ulysses_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:
+    """Ulysses sizes to try: pinned, else 1 and, on an engine that has it and for long
+    sequences, every power of two within a node that divides the data-parallel ranks and
+    leaves each rank whole heads."""
+    pin = job.parallel.get(role)
+    dp = gpus // (layout.tp * layout.pp)
+    heads = job.model(role).heads
+
+    def fits(s: int) -> bool:
+        return s == 1 or (layout.engine.ulysses and layout.pp == 1 and dp % s == 0
+                          and heads % (layout.tp * s) == 0)
+
+    if pin is not None and pin.ulysses:
+        return [pin.ulysses] if fits(pin.ulysses) else []
+    if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
+        return [1]
+    return [s for s in powers_of_two(min(job.cluster.gpus_per_node, dp)) if fits(s)]
 
 
 def _offloads(trained: bool, engine: EngineSpace, job: JobSpec) -> list[tuple[bool, bool]]:

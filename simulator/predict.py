@@ -524,7 +524,7 @@ def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: f
     padded_tokens = work.prompt_length + work.response_length.length_at(count - 1, count)
     return controller_dispatch_seconds(
         controller, operation=node.operation, sequences=sequences,
-        padded_tokens=padded_tokens, data_parallel=par.dp,
+        padded_tokens=padded_tokens, data_parallel=par.data_shards,
         workers_per_shard=par.model_parallel_size)
 
 
@@ -536,15 +536,17 @@ def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
     of the longest sequence x ``micro_batch_size`` tokens); None when neither."""
     work = job.workload
     if budget_tokens:
+        # verl's budget is per GPU: a Ulysses group of sp ranks takes sp times as many tokens.
         return token_budget_batch(sequences, work.mean_sequence_tokens(),
-                                  work.max_sequence_tokens, budget_tokens=budget_tokens,
-                                  data_parallel=par.dp)
+                                  work.max_sequence_tokens,
+                                  budget_tokens=budget_tokens * par.ulysses,
+                                  data_parallel=par.data_shards)
     if not job.framework_profile.training.sequence_packing:
         return None
     return pack_stratified_batch(
         work.response_length, sequences, work.prompt_length,
         capacity_tokens=bin_capacity_tokens(work.max_sequence_tokens, micro_batch_size),
-        data_parallel=par.dp, pad_to_longest_bin=par.pp > 1)
+        data_parallel=par.data_shards, pad_to_longest_bin=par.pp > 1)
 
 
 def loss_bytes_per_vocab_entry(training: TrainingSettings,

@@ -18,6 +18,7 @@ from simulator.plan import RolePlan
 from simulator.predict import model_node, role_state
 from simulator.specs.job import job_from_mapping
 from simulator.specs.parallel import ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
 
 
 def ppo(framework: str, gpus: int = 16, **extra: object):
@@ -179,3 +180,58 @@ def test_verl_searches_token_budgets_for_varying_lengths_only() -> None:
         par, micro_batch_tokens=4 * longest, infer_micro_batch_tokens=8 * longest)),
         location=0)
     assert budget.seconds < one.seconds
+
+
+def test_ulysses_splits_each_sequence_and_pays_four_all_to_alls_per_layer() -> None:
+    """sp ranks share each sequence: per rank, a micro-batch's compute and activations are
+    1 / sp of it, sp times as many micro-batches run, and each layer adds the q/k/v and output
+    all-to-alls forward and backward (and forward again under full recompute)."""
+    from simulator.costs.training import train_step
+    from simulator.costs.ulysses import ulysses_forward_seconds
+
+    model = MODEL_PRESETS["qwen2.5-7b"]
+    h100 = load_profile("h100-80gb")
+    plain = ParallelConfig(tp=1, dp=8, sharding="fsdp", recompute="full", micro_batch_size=1)
+    split = replace(plain, ulysses=4)
+    assert split.data_shards == 2 and split.short().endswith("-sp4")
+    one = train_step(model, h100, plain, global_batch=16, seq_len=32768)
+    four = train_step(model, h100, split, global_batch=16, seq_len=32768)
+    assert four.micro_batches == 4 * one.micro_batches
+    assert four.memory.activations == pytest.approx(one.memory.activations / 4, rel=0.05)
+    exchange = ulysses_forward_seconds(model, h100, tokens=32768 / 4, tp=1, sp=4, dtype="bf16",
+                                       gpus_per_node=8, busy_ranks_per_node=8)
+    assert exchange > 0
+    with pytest.raises(SpecError, match="must divide dp"):
+        ParallelConfig(tp=1, dp=6, sharding="fsdp", ulysses=4)
+    with pytest.raises(SpecError, match="whole heads"):
+        ParallelConfig(tp=1, dp=8, ulysses=8).check_model(model, gpus_per_node=8)  # 28 heads
+
+
+def test_verl_offers_ulysses_for_long_sequences_and_round_trips_it(tmp_path) -> None:
+    from planner.export import export_files
+    from planner.export.importing import ImportContext
+    from planner.export.launch import read_launch
+    from planner.export.verl_import import import_verl
+
+    short = ppo("verl", 8)
+    assert {rp.parallel.ulysses for rp in role_configs(short, "actor", 8)} == {1}
+    long = job_from_mapping({
+        "algorithm": "grpo", "framework": "verl", "kl": "none",
+        "models": {"actor": "qwen2.5-7b", "reward": "rule"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 8,
+                     "prompt_length": 2048, "response_length": 20480,
+                     "mini_batches_per_epoch": 4},
+        "parallel": {"actor": {"ulysses": 4}}})
+    assert {1, 2, 4} <= {rp.parallel.ulysses
+                         for rp in role_configs(replace(long, parallel={}), "actor", 8)}
+    plan = Search(long, SearchOptions(top_k=1)).run().best.to_plan(long)
+    assert plan.roles["actor"].parallel.ulysses == 4
+    files = export_files(plan, long, "verl")
+    assert "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4" in \
+        files["verl_overrides.txt"].splitlines()
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    _, back = import_verl(read_launch(tmp_path / "run_verl.sh", ("verl.trainer.main_ppo",)),
+                          ImportContext(job=long))
+    assert back.roles == plan.roles

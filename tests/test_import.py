@@ -93,7 +93,9 @@ def test_hub_names_match_presets_of_the_same_architecture() -> None:
     assert preset_for("Qwen/Qwen2-7B-Instruct") == "qwen2.5-7b"
     assert preset_for("Qwen/Qwen2.5-Math-7B") == "qwen2.5-7b"
     assert preset_for("meta-llama/Llama-3.1-8B-Instruct") == "llama3.1-8b"
-    assert preset_for("deepseek-ai/deepseek-llm-7b-chat") is None
+    assert preset_for("deepseek-ai/deepseek-llm-7b-chat") == "deepseek-llm-7b"
+    assert preset_for('"${RAY_DATA_HOME}/models/Qwen2.5-Math-7B"') == "qwen2.5-7b"
+    assert preset_for("sfairXC/FsfairX-LLaMA3-RM-v0.1") is None
 
 
 def test_a_verl_grpo_script_without_kl(tmp_path: Path) -> None:
@@ -135,8 +137,8 @@ def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("line", "key"), [
     ("actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.enforce_eager"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=2",
+     "actor_rollout_ref.actor.megatron.context_parallel_size"),
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_rank"),
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=4",

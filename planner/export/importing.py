@@ -47,7 +47,7 @@ VARIANT_WORDS = {"instruct", "chat", "base", "hf", "math", "coder", "it", "rl"}
 def preset_for(checkpoint: str) -> str | None:
     """The preset with ``checkpoint``'s architecture, from its name (``Qwen/Qwen2.5-7B-Instruct``
     -> qwen2.5-7b), or None."""
-    name = checkpoint.rstrip("/").rsplit("/", 1)[-1].lower()
+    name = re.sub(r"[^\w.\-]", "", checkpoint.rstrip("/}\"'").rsplit("/", 1)[-1].lower())
     words = [w for w in name.split("-") if w not in VARIANT_WORDS]
     candidates = {"-".join(words), name}
     for candidate in sorted(candidates):

@@ -159,7 +159,7 @@ def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_
                                key=key, fix="set recompute: full or none", written="full")
             recompute = "full"
         fsdp = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
-        sequence = f"{prefix}.ulysses_sequence_parallel_size=1"
+        sequence = f"{prefix}.ulysses_sequence_parallel_size={par.ulysses}"
         return [f"{model_prefix}.enable_gradient_checkpointing={_bool(recompute != 'none')}",
                 f"{model_prefix}.use_remove_padding=true",
                 *_token_budgets(role, par, prefix), sequence,
@@ -174,6 +174,9 @@ def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_
                  f"{override}.recompute_method=uniform", f"{override}.recompute_num_layers=1"],
     }[par.recompute]
     ddp = f"+{prefix}.megatron.override_ddp_config"
+    if par.ulysses > 1:
+        raise SpecError(f"verl's Megatron engine has no Ulysses sequence parallelism ({role}: "
+                        f"{par.short()}); set ulysses: 1", key=f"roles.{role}.parallel.ulysses")
     return [
         *recompute,
         *_token_budgets(role, par, prefix),
@@ -307,6 +310,9 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
                             model=job.model("ref"))
         out.append(f"actor_rollout_ref.ref.{'fsdp_config' if engine == 'fsdp' else 'megatron'}"
                    f".param_offload={_bool(ref.parallel.offload_params)}")
+        if engine == "fsdp":
+            out.append("actor_rollout_ref.ref.ulysses_sequence_parallel_size="
+                       f"{ref.parallel.ulysses}")
     out += _rollout(plan, job, gen)
     if "critic" in plan.roles:
         critic = plan.roles["critic"]
@@ -367,10 +373,11 @@ def _rollout(plan: Plan, job: JobSpec, gen: GenerationConfig) -> list[str]:
         f"actor_rollout_ref.rollout.free_cache_engine={_bool(rollout.free_kv_cache)}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
         f"{work.infer_micro_batch_size}",
-        # The old log-probs: recomputed by the actor's engine (priced as a pass of its own) or
-        # taken from the rollout.
-        f"algorithm.rollout_correction.bypass_mode={_bool(not recompute_old)}",
     ]
+    if plan.mode != "async":
+        # The old log-probs: recomputed by the actor's engine (priced as a pass of its own) or
+        # taken from the rollout (the fully-async trainer always takes the rollout's).
+        out.append(f"algorithm.rollout_correction.bypass_mode={_bool(not recompute_old)}")
     if work.generates_more_than_it_trains:
         # Groups whose rewards do not differ are dropped and replaced by more generations
         # (priced as one generation of generated_prompts_per_iteration prompts).

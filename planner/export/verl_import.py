@@ -96,10 +96,6 @@ def _above_one(value: Any) -> bool:
 
 
 UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", _above_one,
-     "Ulysses sequence parallelism is not priced yet"),
-    ("critic.ulysses_sequence_parallel_size", _above_one,
-     "Ulysses sequence parallelism is not priced yet"),
     ("actor_rollout_ref.model.lora_rank", _above_one, "LoRA training is not priced"),
     ("actor_rollout_ref.actor.megatron.context_parallel_size", _above_one,
      "context parallelism is not priced"),
@@ -220,7 +216,8 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     check_priced(s)
     framework = context.job.framework if context.job else "verl"
     recompute = load_framework(framework).passes.old_log_prob_in(mode)
-    if s.bool("algorithm.rollout_correction.bypass_mode") == recompute:
+    # The fully-async trainer takes the rollout's log-probs whatever bypass_mode says.
+    if mode != "async" and s.bool("algorithm.rollout_correction.bypass_mode") == recompute:
         priced = "the actor recomputing the old log-probs" if recompute else \
             "the rollout's log-probs"
         raise SpecError(f"{str(recompute).lower()}: the {framework} profile prices {priced} "
@@ -255,6 +252,11 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     cluster = _cluster(trainer_gpus + reward_gpus + rollout_gpus, gpn, context)
     prompts = s.int("data.train_batch_size")
     mini = s.int("actor_rollout_ref.actor.ppo_mini_batch_size")
+    if mode == "async" and prompts <= 0:
+        # The fully-async trainer streams: a parameter version is trigger_parameter_sync_step
+        # local updates of require_batches mini-batches each (one iteration here).
+        prompts = mini * s.int("async_training.require_batches", 1) * s.int(
+            "async_training.trigger_parameter_sync_step", 1)
     if prompts % mini:
         raise SpecError(f"{prompts} prompts do not split into mini-batches of {mini}",
                         key="actor_rollout_ref.actor.ppo_mini_batch_size")
@@ -281,7 +283,11 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
                            .rule_reward_seconds_per_sample)
     staleness = {"sync": 0, "one_step_off": 1}.get(mode)
     if staleness is None:
-        staleness = s.int("async_training.staleness_threshold", 0) + 1
+        # verl's bound: the rollouter runs at most (1 + staleness_threshold) versions' samples
+        # ahead; a fraction of a version is staleness 1 (whole versions behind).
+        threshold = s.raw("async_training.staleness_threshold")
+        staleness = 1 + int(parse_float(threshold, "async_training.staleness_threshold")) \
+            if threshold is not None else 1
     job = JobSpec(
         name=(context.job.name if context.job else "") or "imported-verl",
         algorithm=algorithm, models=models, cluster=cluster, workload=workload,
@@ -422,7 +428,8 @@ def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: s
                              overlap_grad_reduce=grad, overlap_param_gather=param,
                              offload_params=s.bool(f"{fsdp_key}.param_offload"),
                              offload_optimizer=s.bool(f"{fsdp_key}.optimizer_offload"),
-                             micro_batch_tokens=tokens, infer_micro_batch_tokens=forward_tokens)
+                             micro_batch_tokens=tokens, infer_micro_batch_tokens=forward_tokens,
+                             ulysses=s.int(f"{prefix}.ulysses_sequence_parallel_size", 1))
         return RolePlan(parallel=par, training_backend="torch")
     par = _megatron(s, f"{prefix}.megatron", gpus, trained=True, mbs=mbs,
                     overlap=(grad, param))
@@ -479,7 +486,10 @@ def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
                              overlap_grad_reduce=grad, overlap_param_gather=param,
                              offload_params=s.bool("actor_rollout_ref.ref.fsdp_config."
                                                    "param_offload"),
-                             infer_micro_batch_tokens=forward_tokens)
+                             infer_micro_batch_tokens=forward_tokens,
+                             ulysses=s.int("actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+                                           s.int("actor_rollout_ref.actor."
+                                                 "ulysses_sequence_parallel_size", 1)))
         return RolePlan(parallel=par, training_backend="torch")
     par = _megatron(s, "actor_rollout_ref.ref.megatron", gpus, trained=False, mbs=mbs,
                     overlap=(grad, param))

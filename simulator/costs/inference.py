@@ -20,6 +20,7 @@ from simulator.costs.transformer import (
     stage_param_count,
     vocab_parallel_seconds,
 )
+from simulator.costs.ulysses import ulysses_forward_seconds
 from simulator.packing import PackedBatch
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig, stage_layers
@@ -48,12 +49,14 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     ``par``; the data-parallel ranks split the sequences (with ``packed``, the busiest rank
     runs its packed micro-batches instead; ``logprob_bytes``: the log-prob pass's memory traffic
     per token and vocabulary entry)."""
-    per_rank = math.ceil(sequences / par.dp)
+    per_rank = math.ceil(sequences / par.data_shards)
     mbs: float = max(1, min(micro_batch, per_rank))
     micro_batches = max(1, math.ceil(per_rank / mbs))
     if packed is not None:
         mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
         micro_batches = packed.micro_batches
+    # Ulysses: a micro-batch's sequences are split over sp ranks, each computing 1 / sp of it.
+    mbs /= par.ulysses
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -65,7 +68,9 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     compute_scale = profile.correction("infer_compute")
     forward = layer.forward_seconds * compute_scale
     # The pass runs in the training engine: its collectives are the engine's.
-    tp_comm = layer.tp_training_forward_seconds
+    tp_comm = layer.tp_training_forward_seconds + ulysses_forward_seconds(
+        model, profile, tokens=mbs * seq_len, tp=par.tp, sp=par.ulysses, dtype=dtype,
+        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)
     stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],

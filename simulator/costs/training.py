@@ -31,6 +31,7 @@ from simulator.costs.transformer import (
     stage_param_count,
     vocab_parallel_seconds,
 )
+from simulator.costs.ulysses import ulysses_forward_seconds
 from simulator.packing import PackedBatch
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import ParallelConfig, stage_layers
@@ -162,10 +163,12 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     forward and backward)."""
     b = DTYPE_BYTES[dtype]
     mbs: float = par.micro_batch_size
-    micro_batches = max(1, math.ceil(global_batch / (par.dp * mbs)))
+    micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
     if packed is not None:
         mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
         micro_batches = packed.micro_batches
+    # Ulysses: a micro-batch's sequences are split over sp ranks, each computing 1 / sp of it.
+    mbs /= par.ulysses
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -188,6 +191,12 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     body_compute = layers_per_stage * (forward + backward + recompute_extra)
     body_tp = layers_per_stage * (layer.tp_training_forward_seconds
                                   + layer.tp_backward_seconds)
+    # Ulysses: the forward's two all-to-alls, the backward's two, and the forward's again
+    # under full recompute.
+    ulysses = ulysses_forward_seconds(model, profile, tokens=tokens, tp=par.tp, sp=par.ulysses,
+                                      dtype=dtype, gpus_per_node=gpus_per_node,
+                                      busy_ranks_per_node=par.world_size)
+    body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
 
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \

@@ -62,6 +62,8 @@ class RolePin:
     generation_ep: int | None = None
     """Actor only, MoE: expert-parallel serving over this many GPUs (vLLM's
     enable_expert_parallel; 1: none)."""
+    ulysses: int | None = None
+    """Ulysses sequence-parallel ranks (verl's ulysses_sequence_parallel_size)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

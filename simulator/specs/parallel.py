@@ -81,6 +81,11 @@ class ParallelConfig:
     """Expert tensor parallel size (MoE): each expert's MLP split over etp ranks (Megatron's
     expert_tensor_parallel_size). ep * etp divides the tp * dp ranks of a pipeline stage,
     which Megatron regroups into expert-parallel groups."""
+    ulysses: int = 1
+    """DeepSpeed-Ulysses sequence-parallel ranks (verl's ulysses_sequence_parallel_size): each
+    sequence's tokens are split over this many of the dp ranks and the attention heads
+    exchanged by all-to-all around attention (``simulator/costs/ulysses.py``); the batch is
+    split over dp / ulysses data shards. FSDP layouts only (pp 1)."""
     micro_batch_tokens: int = 0
     """Training micro-batches by a token budget per GPU instead of ``micro_batch_size``
     sequences (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu): each data-parallel
@@ -104,7 +109,7 @@ class ParallelConfig:
         return self._hash
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp"):
+        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp", "ulysses"):
             value = getattr(self, key)
             require(value >= 1, f"must be a positive integer, got {value}", key)
         for key in ("micro_batch_tokens", "infer_micro_batch_tokens"):
@@ -114,12 +119,22 @@ class ParallelConfig:
         require(self.vpp == 1 or self.pp > 1, "virtual pipeline stages need pp > 1", "vpp")
         require(self.sharding != "fsdp" or self.pp == 1,
                 "FSDP is not combined with pipeline parallelism here; use pp: 1", "pp")
+        require(self.dp % self.ulysses == 0,
+                f"ulysses={self.ulysses} must divide dp={self.dp} (its ranks are data-parallel "
+                "ranks that share sequences)", "ulysses")
+        require(self.ulysses == 1 or self.pp == 1,
+                "Ulysses sequence parallelism runs without pipeline stages; use pp: 1", "ulysses")
         object.__setattr__(self, "_hash", hash((
             self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
             self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher,
             self.offload_params, self.offload_optimizer, self.micro_batch_tokens,
-            self.infer_micro_batch_tokens)))
+            self.infer_micro_batch_tokens, self.ulysses)))
+
+    @property
+    def data_shards(self) -> int:
+        """Ranks that take different sequences of a batch: dp / ulysses."""
+        return self.dp // self.ulysses
 
     @property
     def world_size(self) -> int:
@@ -172,6 +187,10 @@ class ParallelConfig:
         if model.heads % self.tp:
             raise SpecError(f"tp={self.tp} does not divide the {model.heads} attention heads of "
                             f"{model.name}", key=f"{prefix}tp")
+        if model.heads % (self.tp * self.ulysses):
+            raise SpecError(f"tp x ulysses = {self.tp * self.ulysses} does not divide the "
+                            f"{model.heads} attention heads of {model.name} (Ulysses gives each "
+                            "rank whole heads)", key=f"{prefix}ulysses")
         check_pipeline_stages(model, self.pp, self.vpp, key=prefix.rstrip("."))
 
     def short(self) -> str:
@@ -187,6 +206,8 @@ class ParallelConfig:
             label += f"-ep{self.ep}"
         if self.etp > 1:
             label += f"-etp{self.etp}"
+        if self.ulysses > 1:
+            label += f"-sp{self.ulysses}"
         if self.offload_params or self.offload_optimizer:
             label += "-offload" + ("" if self.offload_params and self.offload_optimizer else
                                    "-params" if self.offload_params else "-optimizer")

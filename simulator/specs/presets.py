@@ -64,6 +64,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json (the
     # architecture of Llama-3-8B; RoPE scaling aside, which costs nothing here).
     "llama3.1-8b": _llama("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, 131072),
+    # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json: 36 layers, hidden 4096,
+    # intermediate 12288, 32 heads x head_dim 128, 8 KV heads, vocab 151936, untied, QK-norm and
+    # no QKV bias.
+    "qwen3-8b": ModelSpec(name="qwen3-8b", layers=36, hidden=4096, ffn_hidden=12288, heads=32,
+                          kv_heads=8, head_dim=128, vocab=151936, mlp="swiglu",
+                          tied_embeddings=False, max_seq_len=40960),
+    # https://huggingface.co/deepseek-ai/deepseek-llm-7b-base/blob/main/config.json (the
+    # architecture of DeepSeek LLM 7B, arXiv 2401.02954 Table 2): 30 layers, hidden 4096,
+    # intermediate 11008, 32 heads (no grouping), vocab 102400, untied.
+    "deepseek-llm-7b": _llama("deepseek-llm-7b", 30, 4096, 11008, 32, 32, 102400, 4096),
     # https://huggingface.co/Qwen/Qwen3-32B/blob/main/config.json: 64 layers, hidden 5120,
     # intermediate 25600, 64 heads x head_dim 128, 8 KV heads, vocab 151936, untied, QK-norm and
     # no QKV bias.
