@@ -86,6 +86,23 @@ def megatron_consistent(candidates: dict[str, list[RoleCandidate]],
     return parts
 
 
+def same_layout_parts(candidates: dict[str, list[RoleCandidate]], roles: tuple[str, ...]
+                      ) -> list[dict[str, list[RoleCandidate]]]:
+    """The set's candidates split so that the ``roles`` that run in one model's layout draw
+    the same (tp, pp, ep, etp) from every part."""
+    tied = [r for r in roles if r in candidates]
+    if len(tied) < 2:
+        return [candidates]
+
+    def shape(c: RoleCandidate) -> tuple[int, int, int, int]:
+        par = c.plan.parallel
+        return par.tp, par.pp, par.ep, par.etp
+
+    shapes = set.intersection(*({shape(c) for c in candidates[r]} for r in tied))
+    return [{r: [c for c in cands if r not in tied or shape(c) == key]
+             for r, cands in candidates.items()} for key in sorted(shapes)]
+
+
 def _unique_points(points: list[SetPoint]) -> list[SetPoint]:
     """``points`` without repeats (combinations of torch-only roles appear in every part)."""
     seen: set[tuple] = set()
@@ -398,6 +415,9 @@ class Search:
         # Executable plans keep a set's Megatron roles on one layout; studies need not.
         subsets = megatron_consistent(candidates) if self.space.one_megatron_layout_per_set \
             else [candidates]
+        if self.space.same_layout and not self.study:
+            subsets = [part for subset in subsets
+                       for part in same_layout_parts(subset, self.space.same_layout)]
         for subset in subsets:
             if any(not c for c in subset.values()):
                 continue
@@ -835,11 +855,15 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
         plan = Plan(algorithm=job.algorithm, roles=chosen, sets=tuple(
             ColocatedSet(roles=g, gpus=s, first_gpu=f, node_group=n)
             for g, s, f, n in zip(placement, allocation, first, node_groups, strict=True)))
-        if search_space(job, space).one_megatron_layout_per_set:
+        framework = search_space(job, space)
+        if framework.one_megatron_layout_per_set:
             try:
                 plan.check_backends()
             except SpecError:
                 continue  # Megatron roles of a set on different layouts
+        tied = [chosen[r].parallel for r in framework.same_layout if r in chosen]
+        if len({(p.tp, p.pp, p.ep, p.etp) for p in tied}) > 1:
+            continue  # roles that run in one model's layout
         estimate = estimate_plan(job, plan)
         if not estimate.feasible:
             continue

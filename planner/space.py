@@ -379,7 +379,14 @@ def _openrlhf_sample_batches(job: JobSpec, role: str, par: ParallelConfig,
         work.sequences_per_iteration // work.infer_micro_batch_size >= par.world_size // par.tp
 
 
+def _nemo_rl_tp_micro_batches(job: JobSpec, role: str, par: ParallelConfig,
+                              family: str) -> bool:
+    return role not in job.dataflow.trained_roles or par.tp < 4 \
+        or par.micro_batch_size == job.workload.infer_micro_batch_size
+
+
 BATCH_CHECKS = {"verl_minimal_batch": _verl_minimal_batch,
+                "nemo_rl_tp_micro_batches": _nemo_rl_tp_micro_batches,
                 "verl_mini_batch_per_rank": _verl_mini_batch_per_rank,
                 "openrlhf_sample_batches": _openrlhf_sample_batches}
 """Each of ``profiles.framework_space.BATCH_RULES`` as a predicate on (job, role, layout)."""

@@ -178,7 +178,11 @@ BATCH_RULES = {
                           "minimal_bsz == 0)",
     "verl_mini_batch_per_rank": "a mini-batch's sequences divide over each trained model's "
                                 "data-parallel ranks (verl 0.9.1 verl/workers/"
-                                "engine_workers.py:267, mini_batch_size % data parallel size)",
+                                "engine_workers.py:267, mini_batch_size % data parallel size; "
+                                "NeMo-RL 0.7.0 batched_data_dict.py:399 asserts the same)",
+    "nemo_rl_tp_micro_batches": "with tp >= 4 the trained model's micro-batch is the "
+                                "log-prob micro-batch (NeMo-RL 0.7.0 nemo_rl/models/policy/"
+                                "lm_policy.py:178-195)",
     "openrlhf_sample_batches": "the experience's micro-batches are at least the actor's "
                                "data-parallel ranks (OpenRLHF 0.11.2 openrlhf/cli/"
                                "train_ppo_ray.py:757-763)",
@@ -231,6 +235,9 @@ class FrameworkSpace:
     """Frozen models are sharded (fsdp) exactly when trained ones are (DeepSpeed inference
     under ZeRO-3, whole models otherwise: OpenRLHF)."""
     placements: PlacementRules = field(default_factory=PlacementRules)
+    same_layout: tuple[str, ...] = ()
+    """Roles that run in one model's layout (NeMo-RL swaps the reference's weights into the
+    policy's model: the same tp, pp and expert layout)."""
     one_megatron_layout_per_set: bool = False
     """The Megatron-trained roles of one colocated set share one (tp, pp, vpp) layout
     (Megatron's parallel state is one per process, and the framework runs a set's models in

@@ -1,5 +1,6 @@
 """Every plan the planner returns for a framework is one that framework runs, priced as it runs
-it: frameworks (verl, OpenRLHF) x algorithms (PPO, GRPO with and without a KL term, ReMax) x
+it: frameworks (verl, OpenRLHF, NeMo-RL) x algorithms (PPO, GRPO with and without a KL term,
+ReMax, where the framework has a trainer) x
 cluster sizes (8, 16, 64, 256 GPUs) x modes (sync, one_step_off, async). For each, one plan is
 searched in the framework's space; it exports with no error; the framework's own code accepts
 the export (verl's Hydra tree and validate_config, OpenRLHF's parser and argument checks, see
@@ -17,8 +18,10 @@ import pytest
 
 from planner.asynchronous import search_async
 from planner.export import export_files, plan_layout
+from planner.export.import_command import MODULES
 from planner.export.importing import ImportContext
 from planner.export.launch import read_launch
+from planner.export.nemo_rl_import import import_nemo_rl
 from planner.export.openrlhf_import import import_openrlhf
 from planner.export.verl import parse_verl_files
 from planner.export.verl_import import import_verl
@@ -41,7 +44,8 @@ ALGORITHMS = {
                               "reward": "qwen2.5-0.5b"}, 1),
 }
 FRAMEWORK_ALGORITHMS = {"verl": ("ppo", "grpo", "grpo-no-kl", "remax"),
-                        "openrlhf": ("ppo", "grpo", "grpo-no-kl")}
+                        "openrlhf": ("ppo", "grpo", "grpo-no-kl"),
+                        "nemo-rl": ("grpo", "grpo-no-kl")}
 SIZES = (8, 16, 64, 256)
 MODES = ("sync", "one_step_off", "async")
 CASES = [pytest.param(f, a, g, m, id=f"{f}-{a}-{g}gpu-{m}")
@@ -102,8 +106,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def framework_accepts(framework: str, files: dict[str, str], model: Path) -> None:
     """The framework's own code composes / parses the exported launch and passes its own
-    checks."""
-    if framework == "verl":
+    checks (NeMo-RL, which needs Python 3.13 and Ray to check a config: the arithmetic it
+    asserts at start-up)."""
+    if framework == "nemo-rl":
+        from planner.export.nemo_rl import nemo_rl_checks, parse_nemo_rl_overrides
+
+        assert nemo_rl_checks(parse_nemo_rl_overrides(files["nemo_rl_overrides.txt"])) == []
+    elif framework == "verl":
         from tests.test_export_frameworks import model_overrides, verl_config, verl_validate
 
         cfg = verl_config(files["verl_overrides.txt"], files["run_verl.sh"],
@@ -121,13 +130,12 @@ def reimported(framework: str, job: JobSpec, files: dict[str, str], directory: P
     say: the cluster, the models, the response-length distribution)."""
     for name, text in files.items():
         (directory / name).write_text(text)
-    script = "run_verl.sh" if framework == "verl" else "run_openrlhf.sh"
-    modules = ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
-               "verl.experimental.fully_async_policy.fully_async_main",
-               "openrlhf.cli.train_ppo_ray")
-    launch = read_launch(directory / script, modules)
+    script = {"verl": "run_verl.sh", "openrlhf": "run_openrlhf.sh",
+              "nemo-rl": "run_nemo_rl.sh"}[framework]
+    launch = read_launch(directory / script, MODULES[framework])
     context = ImportContext(job=job)
-    importer = import_verl if framework == "verl" else import_openrlhf
+    importer = {"verl": import_verl, "openrlhf": import_openrlhf,
+                "nemo-rl": import_nemo_rl}[framework]
     return importer(launch, context)
 
 

@@ -240,3 +240,60 @@ max_response_length) * 2 )) \\
     launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
     with pytest.raises(SpecError, match="at least the longest sequence"):
         import_verl(launch, ImportContext(device="h100-80gb"))
+
+
+def test_a_nemo_rl_recipe_with_its_defaults_chain(tmp_path: Path) -> None:
+    from planner.export.launch import Launch
+    from planner.export.nemo_rl_import import import_nemo_rl
+
+    (tmp_path / "base.yaml").write_text("""\
+grpo: {num_prompts_per_step: 64, num_generations_per_prompt: 32}
+policy:
+  model_name: Qwen/Qwen2.5-7B-Instruct
+  train_global_batch_size: 512
+  train_micro_batch_size: 1
+  logprob_batch_size: 2
+  max_total_sequence_length: 4096
+  megatron_cfg: {enabled: true, tensor_model_parallel_size: 2,
+                 pipeline_model_parallel_size: 1, activation_checkpointing: true,
+                 recompute_granularity: selective}
+  dtensor_cfg: {enabled: false}
+  generation:
+    max_new_tokens: 3072
+    vllm_cfg: {tensor_parallel_size: 4, gpu_memory_utilization: 0.6}
+data: {max_input_seq_length: 1024}
+cluster: {gpus_per_node: 8, num_nodes: 4}
+""")
+    (tmp_path / "recipes").mkdir()
+    recipe = write(tmp_path / "recipes" / "grpo-7b.yaml", """\
+defaults: ../base.yaml
+loss_fn: {reference_policy_kl_penalty: 0}
+grpo: {num_prompts_per_step: 128}
+""")
+    context = ImportContext(device="h100-80gb")
+    job, plan = import_nemo_rl(Launch(source=str(recipe), module=""), context)
+    assert job.framework == "nemo-rl" and job.kl_term == "none"
+    assert (job.workload.prompts_per_iteration, job.workload.samples_per_prompt) == (128, 32)
+    assert job.workload.mini_batches_per_epoch == 8  # 128 x 32 / 512
+    assert (job.workload.prompt_length, job.workload.response_length.max_tokens) == (1024, 3072)
+    actor = plan.roles["actor"]
+    assert actor.parallel.short() == "pp1-tp2-dp16-zero1"
+    assert actor.parallel.recompute == "selective" and actor.generation.tp == 4
+    assert job.cluster.total_gpus == 32 and "ref" not in plan.roles
+
+
+def test_a_nemo_rl_run_script_whose_base_recipe_is_not_here(tmp_path: Path) -> None:
+    script = write(tmp_path / "run.sh", """\
+uv run examples/run_grpo.py --config examples/configs/grpo_math_1B.yaml \\
+    cluster.gpus_per_node=8 policy.model_name=Qwen/Qwen2.5-1.5B \\
+    data.max_input_seq_length=256 policy.generation.max_new_tokens=256
+""")
+    launch = read_launch(script, ("run_grpo.py",))
+    from planner.export.nemo_rl_import import import_nemo_rl
+
+    context = ImportContext(device="h100-80gb")
+    job, plan = import_nemo_rl(launch, context)
+    assert any("base GRPO recipe" in note for note in context.notes)
+    assert job.workload.prompts_per_iteration == 32  # NeMo-RL's base recipe
+    assert plan.roles["actor"].parallel.short() == "pp1-tp1-dp8-fsdp"
+    assert plan.roles["ref"].parallel.tp == plan.roles["actor"].parallel.tp

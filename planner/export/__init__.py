@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from profiles.datafile import SpecError, write_text_atomic
+from profiles.framework import load_framework
 from simulator.plan import Plan
 from simulator.specs.job import JobSpec
 
-TARGETS = ("verl", "openrlhf")
+TARGETS = ("verl", "openrlhf", "nemo-rl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +70,6 @@ class Translation:
 def translation_for(job: JobSpec, target: str) -> Translation:
     """Exact when the job's framework has the target's search space (the target's own profile
     or one based on it), else a translation."""
-    from profiles.framework import load_framework
-
     exact = job.framework_profile.space == load_framework(target).space
     return Translation(target=target, exact=exact)
 
@@ -131,6 +130,10 @@ def export_files(plan: Plan, job: JobSpec, target: str, *, plan_name: str = "pla
         from planner.export.openrlhf import openrlhf_files
 
         return openrlhf_files(plan, job, plan_name=plan_name, translation=translation)
+    if target == "nemo-rl":
+        from planner.export.nemo_rl import nemo_rl_files
+
+        return nemo_rl_files(plan, job, plan_name=plan_name, translation=translation)
     raise SpecError(f"unknown target {target!r} (choose {' or '.join(TARGETS)})", key="--to")
 
 

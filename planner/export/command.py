@@ -11,15 +11,18 @@ from profiles.datafile import SpecError
 
 @click.command("export")
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
-@click.option("--to", "target", type=click.Choice(["verl", "openrlhf"]), required=True,
-              help="The framework to launch the plan with (verl 0.9, OpenRLHF 0.11).")
+@click.option("--to", "target", type=click.Choice(["verl", "openrlhf", "nemo-rl"]),
+              required=True,
+              help="The framework to launch the plan with (verl 0.9, OpenRLHF 0.11, NeMo-RL "
+                   "0.7).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Directory to write the files to (default: export-TARGET beside the plan).")
 def export(plan_path: str, target: str, out_dir: str | None) -> None:
-    """Write a plan as another framework's launch: verl_overrides.txt + run_verl.sh, or
-    openrlhf_args.txt + run_openrlhf.sh, with every setting the plan's price assumed. A
-    placement the framework cannot express is refused with one line naming the part of the
-    plan; a plan made for another framework is translated, each difference noted."""
+    """Write a plan as another framework's launch: verl_overrides.txt + run_verl.sh,
+    openrlhf_args.txt + run_openrlhf.sh, or nemo_rl_overrides.txt + run_nemo_rl.sh, with
+    every setting the plan's price assumed. A placement the framework cannot express is
+    refused with one line naming the part of the plan; a plan made for another framework is
+    translated, each difference noted."""
     from planner.export import export_files, translation_for, write_files
     from simulator.plan import load_plan
     from simulator.specs.job import job_from_mapping

@@ -1,4 +1,4 @@
-"""``hybridflow import LAUNCH --from verl|openrlhf [--device D | --job job.yaml] [--out DIR]``:
+"""``hybridflow import LAUNCH --from verl|openrlhf|nemo-rl [--device D | --job job.yaml]``:
 read a run a user already launches with their framework as a job and a plan, and print its
 predicted step with the stages."""
 
@@ -19,6 +19,7 @@ MODULES = {
     "verl": ("verl.trainer.main_ppo", "verl.experimental.one_step_off_policy.main_ppo",
              "verl.experimental.fully_async_policy.fully_async_main"),
     "openrlhf": ("openrlhf.cli.train_ppo_ray",),
+    "nemo-rl": ("run_grpo.py",),
 }
 """The trainer modules a launch of each framework runs."""
 
@@ -28,11 +29,20 @@ def read_imported(source: str, framework: str, context: ImportContext,
     """(job, plan) of the launch in ``source``."""
     from planner.export.launch import read_launch
 
-    launch = read_launch(source, MODULES[framework], env=env)
+    if framework == "nemo-rl" and Path(source).suffix in (".yaml", ".yml"):
+        from planner.export.launch import Launch
+
+        launch = Launch(source=source, module="")  # a recipe itself
+    else:
+        launch = read_launch(source, MODULES[framework], env=env)
     if framework == "verl":
         from planner.export.verl_import import import_verl
 
         return import_verl(launch, context)
+    if framework == "nemo-rl":
+        from planner.export.nemo_rl_import import import_nemo_rl
+
+        return import_nemo_rl(launch, context)
     from planner.export.openrlhf_import import import_openrlhf
 
     return import_openrlhf(launch, context)
@@ -68,7 +78,8 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
 def import_launch(source: str, framework: str, device: str | None, job_path: str | None,
                   models: tuple[str, ...], env: tuple[str, ...], out_dir: str | None,
                   as_json: bool) -> None:
-    """Read a launch of verl or OpenRLHF as a job and a plan and print its predicted step
+    """Read a launch of verl, OpenRLHF or NeMo-RL (its overrides, arguments, run script, or a
+    NeMo-RL recipe YAML) as a job and a plan and print its predicted step
     (stage by stage). A setting the planner does not price is refused in one line naming
     it; `plan --baseline OUT/plan.json` then shows what the best plan saves against it."""
     from planner.planning import evaluate

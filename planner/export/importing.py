@@ -11,6 +11,7 @@ that says how to give the architecture (``--model ROLE=PRESET|SPEC.yaml|config.j
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,14 +157,10 @@ def parse_bool(value: Any, key: str) -> bool:
 
 
 def parse_int(value: Any, key: str) -> int:
-    text = str(value).strip()
-    if "$" in text:
-        raise SpecError(f"{text} is a shell variable the script does not set: give "
-                        f"--env {text.strip('${}').split(':')[0]}=VALUE", key=key)
     try:
-        number = float(text)
-    except ValueError:
-        raise SpecError(f"expected an integer, got {value!r}", key=key) from None
+        number = parse_float(value, key)
+    except SpecError as exc:
+        raise SpecError(exc.problem.replace("a number", "an integer"), key=key) from None
     if not number.is_integer():
         raise SpecError(f"expected an integer, got {value!r}", key=key)
     return int(number)
@@ -183,3 +180,13 @@ def parse_float(value: Any, key: str) -> float:
 def clean(value: str) -> str:
     """A Hydra value without its quotes."""
     return re.sub(r"^['\"](.*)['\"]$", r"\1", value.strip())
+
+
+def read_launch_as(launch: Any, context: ImportContext,
+                   read: Callable[[Any, ImportContext], tuple[JobSpec, Plan]]
+                   ) -> tuple[JobSpec, Plan]:
+    """``read(launch, context)``, its errors naming the launch's file."""
+    try:
+        return read(launch, context)
+    except SpecError as exc:
+        raise exc.within(source=launch.source) from None

@@ -120,8 +120,9 @@ def logical_lines(text: str) -> list[str]:
 
 def read_launch(path: str | Path, modules: tuple[str, ...], *,
                 env: dict[str, str] | None = None) -> Launch:
-    """The command in ``path`` that runs one of ``modules`` (``python3 -m MODULE ...``), or,
-    when the file holds no such command, the file read as one argument per line."""
+    """The command in ``path`` that runs one of ``modules`` (``python3 -m MODULE ...``, or a
+    script ``... examples/run_grpo.py ...`` for a module named ``run_grpo.py``), or, when the
+    file holds no such command, the file read as one argument per line."""
     source = str(path)
     text = read_text_file(path)
     variables = dict(env or {})
@@ -150,6 +151,12 @@ def read_launch(path: str | Path, modules: tuple[str, ...], *,
             name, value = _ASSIGNMENT.match(words[0]).groups()  # type: ignore[union-attr]
             variables.setdefault(name, expand(value, variables))
             continue
+        scripts = [i for i, w in enumerate(words)
+                   if any(m.endswith(".py") and w.endswith(m) for m in modules)]
+        if scripts:
+            # A trainer run as a script (NeMo-RL's `uv run examples/run_grpo.py ...`).
+            words = [*words[:scripts[0]], "-m", words[scripts[0]], *words[scripts[0] + 1:]]
+            modules = (*modules, words[scripts[0] + 1])
         if "-m" in words:
             at = words.index("-m")
             if at + 1 < len(words) and words[at + 1] in modules:

@@ -26,6 +26,7 @@ from planner.export import (
 )
 from planner.export.verl import model_path
 from profiles.datafile import SpecError
+from profiles.framework import load_framework
 from simulator.plan import Plan
 from simulator.specs.job import RULE, JobSpec
 
@@ -125,8 +126,6 @@ def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list
     profile = job.framework_profile
     if not profile.rollout.cuda_graphs:
         out.append("--vllm.enforce_eager")
-    from profiles.framework import load_framework
-
     default_seqs = load_framework("openrlhf").rollout.max_num_seqs
     if gen.max_num_seqs != default_seqs:
         translation.differ(f"OpenRLHF 0.11 has no max_num_seqs argument: its vLLM engines run "

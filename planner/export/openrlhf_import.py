@@ -18,6 +18,7 @@ from planner.export.importing import (
     clean,
     parse_float,
     parse_int,
+    read_launch_as,
     resolve_model,
     response_lengths,
 )
@@ -125,10 +126,7 @@ class Settings:
 
 def import_openrlhf(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     """The job and plan an OpenRLHF launch runs."""
-    try:
-        return _import(launch, context)
-    except SpecError as exc:
-        raise exc.within(source=launch.source) from None
+    return read_launch_as(launch, context, _import)
 
 
 def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:

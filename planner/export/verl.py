@@ -27,6 +27,7 @@ from planner.export import (
     translation_for,
 )
 from profiles.datafile import SpecError
+from profiles.framework import load_framework
 from simulator.plan import Plan, RolePlan
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.model import ModelSpec
@@ -81,6 +82,10 @@ def _engine(plan: Plan, job: JobSpec) -> str:
     return "megatron" if backends == {"megatron"} else "fsdp"
 
 
+def _verl_space() -> object:
+    return load_framework("verl").space
+
+
 SHARED_ROLES = ("actor", "critic", "ref")
 """The roles verl 0.9 runs on one engine (one Hydra config per engine)."""
 
@@ -93,10 +98,13 @@ def _check_placement(plan: Plan, job: JobSpec) -> None:
         if s is actor_set:
             continue
         if s.roles != ("reward",):
+            fix = ("plan it without --backend simulated (a study's placements are not "
+                   "verl's)" if job.framework_profile.space == _verl_space() else
+                   "plan the job with framework: verl")
             raise SpecError(f"verl 0.9 places actor, rollout, reference and critic on one "
                             f"global pool (only the reward model may have its own): this set "
-                            f"puts {s.label()} apart from the actor; plan the job with "
-                            "framework: verl", key=set_key(plan, s.roles))
+                            f"puts {s.label()} apart from the actor; {fix}",
+                            key=set_key(plan, s.roles))
     if plan.rollout is not None and "reward" in actor_set.roles:
         raise SpecError("verl 0.9's asynchronous trainers do not colocate the reward model "
                         "with the trainer (reward.reward_model.enable_resource_pool=True is "

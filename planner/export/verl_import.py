@@ -21,6 +21,7 @@ from planner.export.importing import (
     parse_bool,
     parse_float,
     parse_int,
+    read_launch_as,
     resolve_model,
     response_lengths,
 )
@@ -204,10 +205,7 @@ def check_priced(settings: VerlSettings) -> None:
 
 def import_verl(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     """The job and plan a verl launch runs."""
-    try:
-        return _import(launch, context)
-    except SpecError as exc:
-        raise exc.within(source=launch.source) from None
+    return read_launch_as(launch, context, _import)
 
 
 def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
