@@ -35,16 +35,19 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 def throughput_by_strategy(names: Sequence[str], placements: Sequence[str],
                            throughputs: Sequence[float | None], path: Path,
-                           title: str) -> Path:
-    """Bars of tokens/s per strategy; infeasible strategies are marked, not drawn."""
+                           title: str, reasons: Sequence[str] = ()) -> Path:
+    """Bars of tokens/s per strategy; a strategy without a plan is marked, not drawn, with
+    the gist of its reason (``reasons``: the strategies table's, as the CLI prints them)."""
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     positions = range(len(names))
     values = [t or 0.0 for t in throughputs]
     bars = ax.bar(positions, values,
                   color=[STRATEGY_COLOURS.get(n, "#888888") for n in names])
     top = max(values) if any(values) else 1.0
-    for bar, value in zip(bars, throughputs, strict=True):
-        label = "does not fit" if value is None else f"{value:,.0f}"
+    gists = list(reasons) or [""] * len(names)
+    for bar, value, reason in zip(bars, throughputs, gists, strict=True):
+        label = f"{value:,.0f}" if value is not None else reason.split(":")[0] \
+            if reason.startswith("not ") else "does not fit"
         ax.text(bar.get_x() + bar.get_width() / 2, (value or 0) + top * 0.01, label,
                 ha="center", va="bottom", fontsize=9)
     ax.set_xticks(list(positions))

@@ -333,7 +333,8 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     pngs = [figures.throughput_by_strategy(
         list(strategies["strategy"]), list(strategies["placement"]),
         [None if pd.isna(v) else float(v) for v in strategies["throughput_tokens_per_s"]],
-        out / "throughput.png", f"Throughput per strategy - {title}")]
+        out / "throughput.png", f"Throughput per strategy - {title}",
+        ["" if pd.isna(r) else str(r) for r in strategies["reason"]])]
     if result.best is not None:
         pngs.append(figures.timeline_gantt(
             result.best.simulation.timeline, out / "timeline.png",
