@@ -19,6 +19,7 @@ from typing import Any
 from planner.space import pack
 from profiles.datafile import SpecError
 from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet
+from simulator.specs.cluster import ClusterSpec
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec, load_model
@@ -190,3 +191,22 @@ def read_launch_as(launch: Any, context: ImportContext,
         return read(launch, context)
     except SpecError as exc:
         raise exc.within(source=launch.source) from None
+
+
+def launch_cluster(gpus: int, gpus_per_node: int, context: ImportContext, *,
+                   key: str) -> ClusterSpec:
+    """The cluster the launch uses: the job's (when it holds the launch's GPUs), else as many
+    nodes of ``--device`` as the pools fill. ``key`` names the launch setting that
+    sets the GPU count, for the message when the job's cluster is too small."""
+    if context.job is not None:
+        cluster = context.job.cluster
+        if cluster.total_gpus < gpus:
+            raise SpecError(f"the launch uses {gpus} GPUs; the job's cluster has "
+                            f"{cluster.total_gpus}", key=key)
+        return cluster
+    if context.device is None:
+        raise SpecError("a launch does not say which GPUs run it: give --device (hybridflow "
+                        "list devices) or --job", key="--device")
+    nodes = max(1, -(-gpus // gpus_per_node))
+    return ClusterSpec.homogeneous(nodes=nodes, gpus_per_node=min(gpus_per_node, gpus)
+                                   if nodes == 1 else gpus_per_node, device=context.device)

@@ -18,6 +18,7 @@ from planner.export.importing import (
     ImportContext,
     LaunchLayout,
     build_plan,
+    launch_cluster,
     parse_bool,
     parse_float,
     parse_int,
@@ -26,7 +27,6 @@ from planner.export.importing import (
     response_lengths,
 )
 from planner.export.launch import Launch
-from planner.export.verl_import import _cluster
 from profiles.datafile import SpecError, read_mapping
 from simulator.plan import Plan, RolePlan
 from simulator.specs.job import RULE, JobSpec
@@ -197,7 +197,7 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         gen_nodes = parse_int(get(f"{res}.num_nodes") or 1, f"{res}.num_nodes")
         gen_gpn = parse_int(get(f"{res}.gpus_per_node") or gpn, f"{res}.gpus_per_node")
         rollout_gpus = gen_gpn if nodes == 1 else gen_nodes * gpn
-    cluster = _cluster(gpn * nodes, gpn, context)
+    cluster = launch_cluster(gpn * nodes, gpn, context, key="cluster.num_nodes")
     trainer_gpus = gpn * nodes - rollout_gpus  # NeMo-RL trains on every other GPU
     total_tokens = parse_int(get("policy.max_total_sequence_length"),
                              "policy.max_total_sequence_length")

@@ -16,6 +16,7 @@ from planner.export.importing import (
     LaunchLayout,
     build_plan,
     clean,
+    launch_cluster,
     parse_float,
     parse_int,
     read_launch_as,
@@ -24,7 +25,6 @@ from planner.export.importing import (
 )
 from planner.export.launch import Launch
 from planner.export.openrlhf import ESTIMATOR, PAIRS
-from planner.export.verl_import import _cluster
 from profiles.datafile import SpecError
 from simulator.plan import Plan, RolePlan
 from simulator.specs.job import RULE, JobSpec
@@ -170,7 +170,7 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
                         key="--vllm.num_engines")
     gpn = s.int("actor.num_gpus_per_node")
     total = sum(gpus[g[0]] for g in groups) + rollout_gpus
-    cluster = _cluster(total, gpn, context)
+    cluster = launch_cluster(total, gpn, context, key="--actor.num_nodes")
     prompts = s.int("rollout.batch_size")
     samples = s.int("rollout.n_samples_per_prompt")
     per_step = s.int("train.batch_size")

@@ -18,6 +18,7 @@ from planner.export.importing import (
     LaunchLayout,
     build_plan,
     clean,
+    launch_cluster,
     parse_bool,
     parse_float,
     parse_int,
@@ -30,7 +31,6 @@ from planner.export.verl import CONFIG, ENTRY, ESTIMATOR
 from profiles.datafile import SpecError
 from profiles.framework import load_framework
 from simulator.plan import Plan, RolePlan
-from simulator.specs.cluster import ClusterSpec
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
@@ -247,7 +247,8 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     models["reward"] = resolve_model(
         "reward", s.text("reward.reward_model.model_path"),
         "reward.reward_model.model_path", context) if reward_model else RULE
-    cluster = _cluster(trainer_gpus + reward_gpus + rollout_gpus, gpn, context)
+    cluster = launch_cluster(trainer_gpus + reward_gpus + rollout_gpus, gpn, context,
+                             key="trainer.nnodes")
     prompts = s.int("data.train_batch_size")
     mini = s.int("actor_rollout_ref.actor.ppo_mini_batch_size")
     if mode == "async" and prompts <= 0:
@@ -305,23 +306,6 @@ def _kl(s: VerlSettings) -> str:
     if loss:
         return "loss"
     return "reward" if reward else "none"
-
-
-def _cluster(gpus: int, gpus_per_node: int, context: ImportContext) -> ClusterSpec:
-    """The cluster the launch uses: the job's (when it holds the launch's GPUs), else as many
-    nodes of ``--device`` as the pools fill."""
-    if context.job is not None:
-        cluster = context.job.cluster
-        if cluster.total_gpus < gpus:
-            raise SpecError(f"the launch uses {gpus} GPUs; the job's cluster has "
-                            f"{cluster.total_gpus}", key="trainer.nnodes")
-        return cluster
-    if context.device is None:
-        raise SpecError("a launch does not say which GPUs run it: give --device (hybridflow "
-                        "list devices) or --job", key="--device")
-    nodes = max(1, -(-gpus // gpus_per_node))
-    return ClusterSpec.homogeneous(nodes=nodes, gpus_per_node=min(gpus_per_node, gpus)
-                                   if nodes == 1 else gpus_per_node, device=context.device)
 
 
 def _generated_prompts(prompts: int, context: ImportContext) -> int:
