@@ -537,13 +537,15 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                                                     + table.mean_response)),
                                1, min(gen.max_num_seqs, table.sequences)).astype(int)
                 # Same rule as simulator.costs.generation.running_cap, vectorised.
-                for cap in np.unique(caps[ok]):
-                    seconds = _generation_seconds(job, node, gen, lengths, table, int(cap),
-                                                  gpus)
-                    hit = ok & (caps == cap)
-                    contributions[hit, group_of[node.name]] += seconds
-                    peak = extra + table.peak_kv_bytes_by_cap[int(cap)] + table.workspace_bytes
-                    gen_peak_bytes[hit] = np.maximum(gen_peak_bytes[hit], peak[hit])
+                unique_caps, which = np.unique(caps[ok], return_inverse=True)
+                seconds = np.array([_generation_seconds(job, node, gen, lengths, table,
+                                                        int(cap), gpus)
+                                    for cap in unique_caps])
+                peak_kv_bytes = np.array([table.peak_kv_bytes_by_cap[int(cap)]
+                                          for cap in unique_caps])
+                contributions[ok, group_of[node.name]] += seconds[which]
+                peak = extra[ok] + peak_kv_bytes[which] + table.workspace_bytes
+                gen_peak_bytes[ok] = np.maximum(gen_peak_bytes[ok], peak)
             ok &= np.maximum(resident + transient, during + gen_peak_bytes) <= usable_bytes
             o_idx, a_idx = np.nonzero(ok)
             if len(o_idx) == 0:

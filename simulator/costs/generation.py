@@ -101,21 +101,8 @@ class DecodeStepModel:
     def step_seconds(self, profile: DeviceProfile, dtype: str, batch: float,
                      kv_tokens: float, cuda_graphs: bool = False,
                      host_seconds_per_sequence: float = 0.0) -> float:
-        bytes_read = self.weight_bytes_read(batch) + kv_tokens * self.kv_bytes_per_token_per_gpu
-        memory = bytes_read / (profile.memory_bandwidth_bytes_per_s
-                               * profile.efficiency.memory.at(bytes_read))
-        gemm, comm_and_launches = _batch_terms(self, profile, dtype, batch, cuda_graphs)
-        compute = gemm + kv_tokens * self.attention_flops_per_kv_token_per_gpu \
-            / profile.peak_flops(dtype)
-        # The fitted decode correction scales the device work only (not collectives, which
-        # carry their own correction, nor the fixed per-kernel cost).
-        stage = max(memory, compute) * profile.correction("decode") + comm_and_launches
-        # An engine that does not schedule asynchronously prepares the next step on the host
-        # (scheduling, input tensors, sampled-token output) while the GPU waits: host work per
-        # running sequence, serialised with the step.
-        host = batch * host_seconds_per_sequence
-        # Without micro-batching across stages, a token passes every pipeline stage in turn.
-        return self.pp * stage + host + profile.overheads.decode_step_seconds
+        return StepPricer(self, profile, dtype, cuda_graphs,
+                          host_seconds_per_sequence).seconds(batch, kv_tokens)
 
     def interval(self, profile: DeviceProfile, dtype: str, batch: float, admitted_sum: float,
                  prompt_len: int, start: float, finish: float, cuda_graphs: bool,
@@ -123,11 +110,84 @@ class DecodeStepModel:
         """The steps from ``start`` to the next finish, ``finish`` (a running batch that does
         not change in between; ``admitted_sum``: its sequences' admission steps, summed):
         (seconds, KV tokens at the end). Priced at once, at the middle step's KV cache."""
+        return StepPricer(self, profile, dtype, cuda_graphs, host_seconds_per_sequence
+                          ).interval(batch, admitted_sum, prompt_len, start, finish)
+
+
+class StepPricer:
+    """``DecodeStepModel.step_seconds`` for one (replica, device, dtype, engine): what does
+    not depend on the step looked up once, and the batch-only terms kept per batch. A decode
+    loop prices thousands of intervals; looking up the profile and hashing the step model for
+    each took most of a long-tailed search."""
+
+    __slots__ = (
+        "_attention_flops_per_kv_token",
+        "_bandwidth_bytes_per_s",
+        "_batch_terms",
+        "_cuda_graphs",
+        "_decode_correction",
+        "_dense_weight_bytes",
+        "_dtype",
+        "_fixed_step_seconds",
+        "_host_seconds_per_sequence",
+        "_kv_bytes_per_token",
+        "_memory_efficiency",
+        "_peak_flops",
+        "_pp",
+        "_profile",
+        "_step",
+    )
+
+    def __init__(self, step: DecodeStepModel, profile: DeviceProfile, dtype: str,
+                 cuda_graphs: bool = False, host_seconds_per_sequence: float = 0.0) -> None:
+        self._step = step
+        self._profile = profile
+        self._dtype = dtype
+        self._cuda_graphs = cuda_graphs
+        self._dense_weight_bytes = (step.weight_bytes_per_gpu
+                                    if step.expert_bytes_per_gpu <= 0 else None)
+        self._kv_bytes_per_token = step.kv_bytes_per_token_per_gpu
+        self._bandwidth_bytes_per_s = profile.memory_bandwidth_bytes_per_s
+        self._memory_efficiency = profile.efficiency.memory
+        self._attention_flops_per_kv_token = step.attention_flops_per_kv_token_per_gpu
+        self._peak_flops = profile.peak_flops(dtype)
+        self._decode_correction = profile.correction("decode")
+        self._host_seconds_per_sequence = host_seconds_per_sequence
+        self._fixed_step_seconds = profile.overheads.decode_step_seconds
+        self._pp = step.pp
+        self._batch_terms: dict[float, tuple[float, float]] = {}
+
+    def seconds(self, batch: float, kv_tokens: float) -> float:
+        """Seconds of one decode step with ``batch`` sequences running over ``kv_tokens``."""
+        weights = self._dense_weight_bytes
+        if weights is None:
+            weights = self._step.weight_bytes_read(batch)
+        bytes_read = weights + kv_tokens * self._kv_bytes_per_token
+        memory = bytes_read / (self._bandwidth_bytes_per_s
+                               * self._memory_efficiency.at(bytes_read))
+        terms = self._batch_terms.get(batch)
+        if terms is None:
+            terms = self._batch_terms[batch] = _batch_terms(
+                self._step, self._profile, self._dtype, batch, self._cuda_graphs)
+        gemm, comm_and_launches = terms
+        compute = gemm + kv_tokens * self._attention_flops_per_kv_token / self._peak_flops
+        # The fitted decode correction scales the device work only (not collectives, which
+        # carry their own correction, nor the fixed per-kernel cost).
+        stage = max(memory, compute) * self._decode_correction + comm_and_launches
+        # An engine that does not schedule asynchronously prepares the next step on the host
+        # (scheduling, input tensors, sampled-token output) while the GPU waits: host work per
+        # running sequence, serialised with the step.
+        host = batch * self._host_seconds_per_sequence
+        # Without micro-batching across stages, a token passes every pipeline stage in turn.
+        return self._pp * stage + host + self._fixed_step_seconds
+
+    def interval(self, batch: float, admitted_sum: float, prompt_len: int, start: float,
+                 finish: float) -> tuple[float, float]:
+        """``DecodeStepModel.interval``: (seconds, KV tokens at the end)."""
         count = finish - start
         middle = start + (count - 1) / 2
         kv_middle = batch * (prompt_len + 1 + middle) - admitted_sum
-        seconds = count * self.step_seconds(profile, dtype, batch, kv_middle, cuda_graphs,
-                                            host_seconds_per_sequence)
+        seconds = count * self.seconds(batch, kv_middle)
         return seconds, batch * (prompt_len + finish) - admitted_sum
 
 
@@ -663,6 +723,7 @@ def _decode_exact(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
                   host_seconds_per_sequence: float) -> tuple[float, int, float]:
     """The event loop: between two finishes every running sequence decodes one token per
     step, so the steps in between are priced at once (at their middle step's KV cache)."""
+    pricer = StepPricer(step_model, profile, dtype, cuda_graphs, host_seconds_per_sequence)
     n = len(lengths)
     running: list[tuple[int, int]] = []
     admitted_sum = 0
@@ -676,9 +737,8 @@ def _decode_exact(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
     while running:
         finish = running[0][0]
         if finish > step:
-            interval, kv_end = step_model.interval(
-                profile, dtype, len(running), admitted_sum, prompt_len, step, finish,
-                cuda_graphs, host_seconds_per_sequence)
+            interval, kv_end = pricer.interval(len(running), admitted_sum, prompt_len, step,
+                                               finish)
             seconds += interval
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
@@ -718,6 +778,7 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
     equal lengths, since the middle is a whole number of caps). Its peak KV cache is taken as
     the prefix's and suffix's.
     """
+    pricer = StepPricer(step_model, profile, dtype, cuda_graphs, host_seconds_per_sequence)
     groups = list(plan.prefix + plan.suffix)
     skip_at = len(plan.prefix) if plan.middle_sequences else -1
     total = len(groups)
@@ -735,9 +796,7 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
                 steps = plan.middle_tokens / cap
                 kv_tokens = (plan.middle_tokens * (prompt_len + 1)
                              + (plan.middle_square_tokens - plan.middle_tokens) / 2) / steps
-                seconds += steps * step_model.step_seconds(profile, dtype, float(cap),
-                                                           kv_tokens, cuda_graphs,
-                                                           host_seconds_per_sequence)
+                seconds += steps * pricer.seconds(float(cap), kv_tokens)
                 step += steps
                 admitted_sum += weight * steps
                 running = [(f + steps, a + steps, w) for f, a, w in running]
@@ -759,9 +818,7 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
             break
         finish = running[0][0]
         if finish > step:
-            interval, kv_end = step_model.interval(
-                profile, dtype, weight, admitted_sum, prompt_len, step, finish, cuda_graphs,
-                host_seconds_per_sequence)
+            interval, kv_end = pricer.interval(weight, admitted_sum, prompt_len, step, finish)
             seconds += interval
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
