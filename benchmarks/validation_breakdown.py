@@ -13,11 +13,11 @@ from __future__ import annotations
 import copy
 
 from profiles.datafile import read_mapping
-from simulator.default_plan import colocate_plan
 from simulator.engine import simulate
+from simulator.plan import job_as_planned
 from simulator.predict import estimate_plan
 from simulator.specs.job import job_from_mapping
-from simulator.validation import CASES_FILE
+from simulator.validation import CASES_FILE, case_plan
 
 
 def main() -> None:
@@ -28,10 +28,10 @@ def main() -> None:
         print(f"{group}")
         for case in spec["cases"]:
             job = job_from_mapping(case["job"])
-            plan = colocate_plan(job)
-            estimate = estimate_plan(job, plan)
+            plan = case_plan(job, case)
+            estimate = estimate_plan(job_as_planned(job, plan), plan)
             predicted = simulate(job, plan).iteration_seconds
-            print(f"  {case['name']}: measured {case['measured']:.1f} s, predicted "
+            print(f"  {case['name']} ({plan.mode}): measured {case['measured']:.1f} s, predicted "
                   f"{predicted:.1f} s ({100 * (predicted / case['measured'] - 1):+.0f}%)")
             for name, node in estimate.nodes.items():
                 parts = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f}"
@@ -45,7 +45,7 @@ def main() -> None:
             if isinstance(response, dict) and "mean" in response:
                 fixed["workload"]["response_length"] = round(response["mean"])
                 fixed_job = job_from_mapping(fixed)
-                seconds = simulate(fixed_job, colocate_plan(fixed_job)).iteration_seconds
+                seconds = simulate(fixed_job, case_plan(fixed_job, case)).iteration_seconds
                 print(f"    every response at the mean length ({round(response['mean'])}): "
                       f"{seconds:.1f} s")
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from executor.algorithms import RLConfig
 from executor.hybrid_engine import TransitionMode
 from executor.task import SortDigits
-from profiles.datafile import SpecError
+from profiles.datafile import SpecError, from_mapping, to_mapping
 from simulator.plan import Plan
 from simulator.predict import VALUE_HEAD_ROLES
 from simulator.specs.job import JobSpec
@@ -28,9 +28,23 @@ def plan_gpus(plan: Plan) -> int:
     return sum(s.gpus for s in plan.located_sets())
 
 
+def _optional_path(value: Any, key: str) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"expected a directory path or null, got {value!r}", key=key)
+    return Path(value)
+
+
+RUN_LOCAL_OPTIONS = ("out", "address", "log", "resume", "worker_logs")
+"""Options of one invocation, not of the run (where it writes, which Ray, its console): a
+run's meta.json does not keep them and ``--resume`` takes them from its own command line."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ExecutionOptions:
-    """How to run a plan."""
+    """How to run a plan. A run keeps every option but ``RUN_LOCAL_OPTIONS`` in its
+    meta.json (``to_saved``), and ``--resume`` reads them back (``from_saved``)."""
 
     steps: int = 2
     """RL iterations."""
@@ -57,13 +71,13 @@ class ExecutionOptions:
     validate_every: int = 0
     """Every this many iterations (and after the last), greedy responses to held-out prompts
     are scored: the validation reward in metrics.csv (0: never)."""
-    save_hf: Path | None = None
+    save_hf: Path | None = field(default=None, metadata={"parse": _optional_path})
     """Where to write the trained actor as a Hugging Face checkpoint at the end (config.json
     + model.safetensors); None: nothing is written."""
     save_hf_every: int = 0
     """Also write it every this many iterations (replacing the previous one whole; 0: only
     at the end)."""
-    save_hf_critic: Path | None = None
+    save_hf_critic: Path | None = field(default=None, metadata={"parse": _optional_path})
     """Where to write the trained critic, as a Hugging Face ``LlamaForTokenClassification``
     with one label (the same times as the actor); None: nothing is written."""
     log_tensorboard: bool = False
@@ -84,6 +98,26 @@ class ExecutionOptions:
     worker_logs: bool | None = None
     """Show the workers' output (CUDA and NCCL messages, out-of-memory reports) on the
     driver's stderr; None: on with ``address``, off for a local Ray."""
+
+    def to_saved(self) -> dict[str, Any]:
+        """The run's options as meta.json keeps them (plain JSON values)."""
+        return {f.name: _saved_value(getattr(self, f.name)) for f in fields(self)
+                if f.name not in RUN_LOCAL_OPTIONS}
+
+    @classmethod
+    def from_saved(cls, saved: Any, *, source: str | None = None,
+                   **local: Any) -> ExecutionOptions:
+        """The options ``to_saved`` wrote (a key it did not write, or a value of the wrong
+        type, is a SpecError naming ``options.KEY``), with this invocation's ``local``
+        options (``RUN_LOCAL_OPTIONS``) and any overrides."""
+        options = from_mapping(cls, saved, source=source, key_prefix="options")
+        return replace(options, **local)
+
+
+def _saved_value(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    return to_mapping(value)
 
 
 class RunFailedError(RuntimeError):
@@ -202,6 +236,7 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                         f"continue that run with --resume {options.out}", key="--out")
     if options.worker_setup:
         check_setup_hook(options.worker_setup)
+    check_megatron_device(chosen_backends, options)
     if job.reward_function is not None:
         from executor.reward_function import load_reward_function
 
@@ -330,6 +365,43 @@ def check_checkpoints(job: JobSpec, checkpoints: dict[str, str]) -> None:
                            checkpoint=directory)
         except SpecError as exc:
             raise SpecError(exc.problem, key=key) from None
+
+
+def check_megatron_device(chosen_backends: dict[str, tuple[str, str]],
+                          options: ExecutionOptions) -> None:
+    """Megatron-core's training code asks for CUDA (its model-parallel state, fused kernels
+    and RNG tracker): on a local Ray cluster of a machine without a CUDA device it fails in
+    the first worker. Say so before any worker starts. A worker-setup hook may prepare the
+    workers for CPU (the tests' ``tests.compat.megatron_cpu:install``); a remote cluster's
+    devices are not this machine's."""
+    megatron = sorted(r for r, (training, _) in chosen_backends.items() if training == "megatron")
+    if not megatron or options.address is not None or options.worker_setup:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SpecError(f"{', '.join(megatron)} train(s) with Megatron-core, which needs a CUDA "
+                        "device, and this machine has none: run on a GPU machine or join its "
+                        "Ray cluster with --address, or plan the job with the torch backend "
+                        "(backends.ROLE.training: torch); on CPU, the tests run Megatron with "
+                        "--worker-setup tests.compat.megatron_cpu:install",
+                        key=f"backends.{megatron[0]}.training")
+
+
+def check_plan(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
+    """``execute --dry-run``: every check ``execute`` makes before a worker starts (the
+    engines installed, each role's layout, the data and checkpoints, the run directory), and
+    what the run would start, without starting Ray. Raises SpecError."""
+    from executor.session import RunSession
+
+    session = RunSession(job, plan, options)
+    return {"algorithm": job.algorithm, "mode": plan.mode, "gpus": plan_gpus(plan),
+            "placement": plan.placement,
+            "roles": {role: {"training": training, "generation": generation,
+                             "gpus": plan.roles[role].parallel.world_size}
+                      for role, (training, generation) in session.backends.items()},
+            "prompts": "the built-in digit-sorting task" if job.data is None else
+            f"{len(session.task.train)} prompts of the job's data"}
 
 
 def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:

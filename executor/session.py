@@ -311,26 +311,13 @@ class RunSession:
 
         options, job, task = self.options, self.job, self.task
         return {"plan": self.plan.to_value(), "job": job.to_value(), "mode": self.plan.mode,
-                "options": {"steps": options.steps, "seed": options.seed,
-                            "transition": options.transition,
-                            "actor_lr": options.actor_lr, "critic_lr": options.critic_lr,
-                            "rl": to_mapping(options.rl),
-                            "task": to_mapping(options.task) if job.data is None else
-                            {"data": to_mapping(job.data),
+                "options": {**options.to_saved(), "checkpoints": dict(self.checkpoints)},
+                **({"data": {"data": to_mapping(job.data),
                              "tokenizer": task.tokenizer_directory,
                              "train_prompts": len(task.train),
                              "dropped": task.train.dropped,
-                             "truncated": task.train.truncated},
-                            "reward_warmup_steps": options.reward_warmup_steps,
-                            "checkpoints": dict(self.checkpoints),
-                            "validate_every": options.validate_every,
-                            "save_hf": str(options.save_hf) if options.save_hf else None,
-                            "save_hf_critic": str(options.save_hf_critic)
-                            if options.save_hf_critic else None,
-                            "checkpoint_every": options.checkpoint_every,
-                            "max_restarts": options.max_restarts,
-                            "worker_setup": options.worker_setup,
-                            "temperature": options.temperature, "top_p": options.top_p},
+                             "truncated": task.train.truncated}}
+                   if job.data is not None else {}),
                 "reward_warmup_losses": self.warmup, "cost_warmup_losses": self.cost_warmup,
                 **({"data_position": task.cursor.state} if job.data is not None else {}),
                 "checkpoints_written": self.checkpoints_written,

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -398,7 +399,7 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
              as_json: bool) -> None:
     """Simulate RLHF iterations of a job under a plan."""
     from simulator.default_plan import colocate_plan
-    from simulator.engine import simulate_des, simulate_paper
+    from simulator.engine import simulate_estimated
     from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan
     from simulator.trace import write_chrome_trace
@@ -414,19 +415,17 @@ def simulate(config: str | None, plan_path: str | None, cost_model: str, iterati
             raise exc.within(source=config or "the default job") from None
     job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan, transition_scheme=transition)  # type: ignore[arg-type]
-    if cost_model == "paper":
-        result = simulate_paper(job, plan, estimate)
-    else:
-        result = simulate_des(job, plan, estimate, iterations=iterations,
-                              overlap_iterations=overlap_iterations)
+    try:
+        result = simulate_estimated(job, plan, estimate, mode=cost_model,  # type: ignore[arg-type]
+                                    iterations=iterations, overlap_iterations=overlap_iterations)
+    except SpecError as exc:
+        raise exc.within(source=plan_path or config or "the default job") from None
     summary = simulation_json(job, plan, result, estimate)
     if trace:
         write_chrome_trace(trace, result.timeline, metadata={"placement": plan.placement})
     if out:
         out_dir = Path(out)
         out_dir.mkdir(parents=True, exist_ok=True)
-        from dataclasses import replace
-
         replace(plan, predicted={k: summary[k] for k in (
             "iteration_seconds", "throughput_tokens_per_s", "peak_memory_bytes_per_gpu")},
             job=job.to_value()).save(out_dir / "plan.json")
@@ -831,23 +830,29 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 @click.option("--max-restarts", type=click.IntRange(min=0), default=2, show_default=True,
               help="Restart the workers from the last checkpoint after a worker fails, at "
                    "most this many times.")
+@click.option("--dry-run", is_flag=True,
+              help="Check the plan against the executor (engines installed, layouts, data, "
+                   "checkpoints) and exit without starting Ray.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str | None, config: str | None, steps: int | None, out: str | None,
             address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
             checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
             save_hf_every: int, save_hf_critic: str | None, log_to: str | None,
-            checkpoint_every: int, resume: str | None, max_restarts: int,
+            checkpoint_every: int, resume: str | None, max_restarts: int, dry_run: bool,
             as_json: bool) -> None:
     """Run a plan for real on Ray: the job's data (data:) or the built-in digit-sorting task."""
     import time as _time
 
+    if dry_run and resume is not None:
+        raise SpecError("--dry-run checks a new run; a resumed run was checked when it started",
+                        key="--dry-run")
     if resume is not None:
         _resume_run(resume, plan_path, steps, address, worker_logs, max_restarts, as_json)
         return
     if plan_path is None:
         raise SpecError("give the plan to run (PLAN.json), or --resume RUN", key="execute")
-    if steps is None:
+    if steps is None and not dry_run:
         raise SpecError("give --steps N", key="--steps")
     plan_file, job = _load_plan_and_job(plan_path, config, require_job=True)
     if plan_file.mode not in ("sync", "one_step_off"):
@@ -868,7 +873,7 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     run_dir = Path(out) if out else Path("runs") / (
         _time.strftime("%Y%m%d-%H%M%S") + "-" + plan_file.placement.replace("|", "_")
         .replace(",", "+"))
-    options = ExecutionOptions(steps=steps, seed=seed, out=run_dir, address=address,
+    options = ExecutionOptions(steps=steps or 1, seed=seed, out=run_dir, address=address,
                                transition=transition,  # type: ignore[arg-type]
                                actor_lr=lr, critic_lr=lr, reward_warmup_steps=reward_warmup,
                                rl=_rl_config(rl_settings), worker_setup=worker_setup,
@@ -880,7 +885,31 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
                                validate_every=validate_every, save_hf_every=save_hf_every,
                                checkpoint_every=checkpoint_every, max_restarts=max_restarts,
                                log=None if as_json else (lambda m: click.echo(m, err=True)))
+    if dry_run:
+        _check_run(job, plan_file, replace(options, out=Path(out) if out else None), plan_path,
+                   as_json, job_source=config)
+        return
     _run_and_report(job, plan_file, options, plan_path, as_json, job_source=config)
+
+
+def _check_run(job: Any, plan_file: Any, options: Any, source: str, as_json: bool,
+               job_source: str | None) -> None:
+    """``execute --dry-run``: the executor's checks, and what a run would start."""
+    from executor.run import check_plan
+
+    try:
+        summary = check_plan(job, plan_file, options)
+    except SpecError as exc:
+        raise exc.within(source=_error_source(exc, source, job_source)) from None
+    if as_json:
+        _emit_json({"runs": True, **summary})
+        return
+    roles = "; ".join(f"{role} {r['training']} training / {r['generation']} generation"
+                      if role == "actor" else f"{role} {r['training']}"
+                      for role, r in summary["roles"].items())
+    click.echo(f"the executor runs this plan: {summary['algorithm'].upper()} "
+               f"{summary['mode']} on {summary['gpus']} GPUs ({summary['placement']}); "
+               f"{roles}; prompts: {summary['prompts']} (nothing was started)")
 
 
 def _error_source(exc: SpecError, plan_source: str, job_source: str | None) -> str | None:
@@ -943,9 +972,8 @@ def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: 
                 worker_logs: bool | None, max_restarts: int, as_json: bool) -> None:
     """``execute --resume RUN``: the run's plan, job and options from its meta.json, its last
     checkpoint's state, and the iterations still to run."""
-    from executor.algorithms import RLConfig
+    from executor.run import ExecutionOptions
     from planner.calibration import read_run_meta
-    from profiles.datafile import from_mapping
     from simulator.plan import load_plan
 
     run_dir = Path(resume)
@@ -955,44 +983,13 @@ def _resume_run(resume: str, plan_path: str | None, steps: int | None, address: 
         raise SpecError(f"the run was made with another plan than {plan_path}",
                         key="--resume", source=str(meta_path))
     saved = meta["options"]
-    try:
-        rl = from_mapping(RLConfig, saved.get("rl") or {})
-    except SpecError as exc:
-        raise exc.within(source=str(meta_path)) from None
-    try:
-        options = _saved_options(saved, steps, run_dir, address, worker_logs, max_restarts,
-                                 as_json, rl)
-    except (TypeError, ValueError) as exc:  # a hand-edited meta.json
-        raise SpecError(f"a saved option is not what execute wrote: {exc}", key="options",
-                        source=str(meta_path)) from None
+    local = {"out": run_dir, "address": address, "worker_logs": worker_logs, "resume": run_dir,
+             "max_restarts": max_restarts,
+             "log": None if as_json else (lambda m: click.echo(m, err=True))}
+    options = ExecutionOptions.from_saved(saved, source=str(meta_path), **local)
+    if steps is not None:
+        options = replace(options, steps=steps)
     _run_and_report(job, plan_file, options, str(meta_path), as_json)
-
-
-def _saved_options(saved: dict[str, Any], steps: int | None, run_dir: Path,
-                   address: str | None, worker_logs: bool | None, max_restarts: int,
-                   as_json: bool, rl: Any) -> Any:
-    """The options a run was started with (its meta.json), for ``--resume``."""
-    from dataclasses import replace
-
-    from executor.run import ExecutionOptions
-
-    total = steps if steps is not None else int(saved.get("steps", 1))
-    options = ExecutionOptions(
-        steps=total, seed=int(saved.get("seed", 0)), out=run_dir, address=address,
-        transition=saved.get("transition", "micro_dp"),
-        actor_lr=float(saved.get("actor_lr", 1e-2)),
-        critic_lr=float(saved.get("critic_lr", 1e-2)),
-        reward_warmup_steps=int(saved.get("reward_warmup_steps", 20)), rl=rl,
-        worker_setup=saved.get("worker_setup"), worker_logs=worker_logs,
-        checkpoints=dict(saved.get("checkpoints") or {}),
-        validate_every=int(saved.get("validate_every", 0)),
-        save_hf=Path(saved["save_hf"]) if saved.get("save_hf") else None,
-        save_hf_critic=Path(saved["save_hf_critic"]) if saved.get("save_hf_critic") else None,
-        checkpoint_every=int(saved.get("checkpoint_every", 0)), max_restarts=max_restarts,
-        temperature=float(saved.get("temperature", 1.0)),
-        top_p=float(saved.get("top_p", 1.0)),
-        log=None if as_json else (lambda m: click.echo(m, err=True)))
-    return replace(options, resume=run_dir)
 
 
 def _predicted_vs_measured(run_dir: Path, job: Any) -> list[dict[str, Any]]:

@@ -16,13 +16,13 @@ from planner.search import (
     placement_refusal,
 )
 from planner.space import set_sizes
-from simulator.asynchronous import simulate_async
 from simulator.costs.memory import GIB, MemoryBreakdown
-from simulator.engine import SimulationResult, simulate_des
+from simulator.engine import SimulationResult, simulate_estimated
 from simulator.plan import Plan, job_as_planned
 from simulator.predict import PlanEstimate, estimate_plan, role_state
 from simulator.specs.asynchrony import comparison_modes
 from simulator.specs.job import JobSpec
+from simulator.specs.parallel import ParallelConfig
 
 STRATEGIES = ("colocate", "standalone", "split")
 """The standard placements every plan is compared with."""
@@ -124,10 +124,7 @@ def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iteration
     plan.validate(job)
     job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan)
-    if plan.rollout is not None:
-        simulation = simulate_async(job, plan, estimate)
-    else:
-        simulation = simulate_des(job, plan, estimate, iterations=iterations)
+    simulation = simulate_estimated(job, plan, estimate, iterations=iterations)
     predicted = {
         "iteration_seconds": simulation.iteration_seconds,
         "throughput_tokens_per_s": simulation.throughput_tokens_per_s,
@@ -282,21 +279,33 @@ def missed_deadline(job: JobSpec, options: SearchOptions) -> str:
             f"{fastest.iteration_seconds:.2f} s")
 
 
-def minimum_state(job: JobSpec, role: str, gpus: int) -> MemoryBreakdown | None:
-    """The smallest state of ``role`` over its configs on ``gpus`` GPUs while it runs (what a
-    layout keeps in host memory between calls is on the GPU during them)."""
+def minimum_states(job: JobSpec, role: str, gpus: int
+                   ) -> tuple[MemoryBreakdown, MemoryBreakdown] | None:
+    """The smallest per-GPU state of ``role`` over its configs on ``gpus`` GPUs: (while it
+    runs, between its calls). What a layout keeps in host memory between calls is on the GPU
+    during them, so the two differ only where the framework offloads."""
     from planner.space import role_configs
 
-    states = [role_state(job, role, replace(p.parallel, offload_params=False,
-                                            offload_optimizer=False))[0]
-              for p in role_configs(job, role, gpus)]
-    return min(states, key=lambda m: m.total, default=None)
+    configs = [p.parallel for p in role_configs(job, role, gpus)]
+    if not configs:
+        return None
+    running = [_while_running(job, role, par) for par in configs]
+    resting = [role_state(job, role, par)[0] for par in configs]
+    return min(running, key=lambda m: m.total), min(resting, key=lambda m: m.total)
+
+
+def _while_running(job: JobSpec, role: str, par: ParallelConfig) -> MemoryBreakdown:
+    """The role's state on the GPU during its call: what is offloaded comes back, and the
+    gradients FSDP frees after the optimizer step exist."""
+    state, training_grads = role_state(job, role, replace(par, offload_params=False,
+                                                          offload_optimizer=False))
+    return replace(state, grads=state.grads + training_grads)
 
 
 def explain_infeasible(job: JobSpec, search: Search | None = None,
                        max_nodes: int = 1024) -> str:
-    """'does not fit: ... the smallest cluster that fits is N GPUs; per GPU the models need
-    at least ...'."""
+    """'does not fit: ... per GPU the models' states need at least ... while ROLE runs; the
+    smallest cluster that fits is N GPUs'."""
     if not job.cluster.is_homogeneous:
         # Every set lives in one pool: the largest pool is where the models fit best.
         pool = max(job.cluster.pools(), key=lambda p: (p.gpus, -p.index))
@@ -307,18 +316,32 @@ def explain_infeasible(job: JobSpec, search: Search | None = None,
     gpus = cluster.total_gpus
     usable = cluster.profile().usable_memory_bytes
     parts = []
-    total = MemoryBreakdown()
+    states: dict[str, tuple[MemoryBreakdown, MemoryBreakdown]] = {}
     for role in job.gpu_roles:
-        state = minimum_state(job, role, gpus)
-        if state is None:
+        found = minimum_states(job, role, gpus)
+        if found is None:
             parts.append(f"{role}: no valid layout on {gpus} GPUs")
             continue
-        total = total + state
-        parts.append(f"{role} {state.total / GIB:.1f} GiB ({state.describe()})")
+        states[role] = found
+        running, resting = found
+        rest = "" if resting.total == running.total else \
+            f", {resting.total / GIB:.1f} between its calls"
+        parts.append(f"{role} {running.total / GIB:.1f} GiB while it runs "
+                     f"({running.describe()}){rest}")
+    # A lower bound on the peak: one role running while every other holds its state between
+    # calls (the smallest each can hold), before activations and the KV cache.
+    need, busiest = 0.0, ""
+    for role, (running, _) in states.items():
+        peak = running.total + sum(resting.total for other, (_, resting) in states.items()
+                                   if other != role)
+        if peak > need:
+            need, busiest = peak, role
     message = (f"the job does not fit on {gpus} x {cluster.profile().name} "
                f"({usable / GIB:.1f} GiB usable per GPU): even fully sharded over all "
-               f"{gpus} GPUs the models' weights and optimizer states need "
-               f"{total.total / GIB:.1f} GiB per GPU before activations and KV cache: "
+               f"{gpus} GPUs" + (" and offloaded between calls where the framework can"
+                                 if any(r.total < w.total for w, r in states.values()) else "")
+               + f", the models' weights and optimizer states need {need / GIB:.1f} GiB per "
+               f"GPU while {busiest or 'a model'} runs, before activations and KV cache: "
                + "; ".join(parts))
     smallest = smallest_cluster(job, max_nodes=max_nodes)
     if smallest is not None:
@@ -329,8 +352,9 @@ def explain_infeasible(job: JobSpec, search: Search | None = None,
 
 
 def smallest_cluster(job: JobSpec, max_nodes: int = 1024) -> int | None:
-    """The fewest GPUs (same device and node size) on which the colocate placement fits,
-    by doubling then bisecting (more GPUs never need more memory per GPU)."""
+    """The fewest GPUs (same device and node size) on which the colocate placement fits, by
+    the search's own check (its colocate frontier is not empty, so ``plan`` returns a plan),
+    doubling then bisecting (more GPUs never need more memory per GPU)."""
     cluster = job.cluster
     gpn = cluster.gpus_per_node
     sizes = [g for g in set_sizes(max_nodes * gpn, gpn) if g > cluster.total_gpus]

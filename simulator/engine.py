@@ -252,10 +252,21 @@ def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 
     plan.validate(job)
     job = job_as_planned(job, plan)
     estimate = estimate_plan(job, plan, transition_scheme=transition_scheme)  # type: ignore[arg-type]
+    return simulate_estimated(job, plan, estimate, mode=mode, iterations=iterations,
+                              overlap_iterations=overlap_iterations)
+
+
+def simulate_estimated(job: JobSpec, plan: Plan, estimate: PlanEstimate, *, mode: Mode = "des",
+                       iterations: int = 1, overlap_iterations: bool = False) -> SimulationResult:
+    """Simulate a plan whose nodes are already predicted, in the plan's own mode: the
+    asynchronous simulation for a plan with a rollout set of its own (``iterations`` 1 means
+    enough iterations to reach its steady state, as ``plan`` prices it), else the synchronous
+    event simulation or the paper's cost function. Every command prices a plan through here,
+    so ``simulate`` reproduces what ``plan`` wrote."""
     if plan.rollout is not None:
         if mode == "paper":
             raise SpecError("the paper's cost function prices synchronous plans only "
-                            f"(this plan runs {plan.mode})", key="mode")
+                            f"(this plan runs {plan.mode}); use --cost-model des", key="mode")
         from simulator.asynchronous import simulate_async
 
         return simulate_async(job, plan, estimate, iterations=iterations if iterations > 1

@@ -227,6 +227,16 @@ def split_plan(job, rollout_gpus: int):
                 rollout=rollout_at)
 
 
+def case_plan(job, case: dict):
+    """The plan a whole-step case ran: colocated on all its GPUs, or, with ``rollout_gpus``,
+    split as ``split_plan`` builds it."""
+    from simulator.default_plan import colocate_plan
+
+    if "rollout_gpus" in case:
+        return split_plan(job, int(case["rollout_gpus"]))
+    return colocate_plan(job)
+
+
 def winners(rows: list[dict]) -> list[str]:
     """Per scale (cases sharing ``scale``): the faster mode measured and predicted, e.g.
     '32 GPUs: measured async, predicted async (same)'."""
@@ -248,8 +258,8 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
     case with ``stages`` adds one row per published stage timer (``stage_parts`` of the group
     says which of the simulator's nodes and parts each timer holds); stage rows are reported
     but the group's statistics are the whole steps'."""
-    from simulator.default_plan import colocate_plan
     from simulator.engine import simulate
+    from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan
     from simulator.specs.job import job_from_mapping
 
@@ -258,8 +268,7 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
     for i, case in enumerate(spec["cases"]):
         source = f"{cases_file} ({group}.cases[{i}])"
         job = job_from_mapping(case["job"], source=source)
-        plan = colocate_plan(job) if "rollout_gpus" not in case else \
-            split_plan(job, int(case["rollout_gpus"]))
+        plan = case_plan(job, case)
         result = simulate(job, plan)
         if not result.feasible:
             raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
@@ -270,7 +279,7 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
                      "scale": case.get("scale"), "mode": plan.mode})
         if not case.get("stages"):
             continue
-        estimate = estimate_plan(job, plan)
+        estimate = estimate_plan(job_as_planned(job, plan), plan)
         for stage, measured in case["stages"].items():
             if stage not in stage_parts:
                 raise SpecError(f"stage {stage!r} has no entry in the group's stage_parts",

@@ -546,7 +546,7 @@ def test_grpo_on_the_users_data_with_their_reward_and_tokenizer(tmp_path: Path) 
     assert [(m["data_epoch"], m["data_offset"]) for m in result.metrics] == [(0, 0), (0, 4)]
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["data_position"] == {"epoch": 0, "offset": 8, "rows": 10, "seed": 0}
-    assert meta["options"]["task"]["train_prompts"] == 10
+    assert meta["data"]["train_prompts"] == 10
     for m in result.metrics:
         assert m["response_tokens_max"] <= 3  # the workload's response cap
         assert 0 < m["prompt_tokens"] <= m["prompt_tokens_max"] <= 12

@@ -308,7 +308,15 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
                                         r"installed: install it with `make engines`"):
         validate_for_execution(megatron, plan, ExecutionOptions())
     monkeypatch.setattr(backends, "megatron_installed", lambda: True)
-    validate_for_execution(megatron, plan, ExecutionOptions())
+    # Megatron-core needs CUDA: a local run on a machine without it is refused before a
+    # worker starts, naming what would run it; a remote cluster's devices are its own.
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SpecError, match=r"backends\.actor\.training: actor train\(s\) with "
+                       r"Megatron-core, which needs a CUDA device.*--worker-setup "
+                       r"tests\.compat\.megatron_cpu:install"):
+        validate_for_execution(megatron, plan, ExecutionOptions())
+    remote = ExecutionOptions(address="ray://head:10001")
+    validate_for_execution(megatron, plan, remote)
     # Sequence parallelism: Megatron runs it, the torch backend does not.
     sp = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=2),),
               roles={"actor": RolePlan(parallel=ParallelConfig(tp=2, sequence_parallel=True),
@@ -316,7 +324,7 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
                      "ref": RolePlan(parallel=ParallelConfig(tp=2))})
     two_gpus = {**base, "cluster": {"nodes": 1, "gpus_per_node": 2}}
     validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
-        "training": "megatron"}, "ref": {"training": "megatron"}}}), sp, ExecutionOptions())
+        "training": "megatron"}, "ref": {"training": "megatron"}}}), sp, remote)
     with pytest.raises(SpecError, match=r"roles\.actor\.parallel\.sequence_parallel: the "
                                         r"torch backend runs tensor parallelism without"):
         validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
@@ -330,7 +338,7 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
     with pytest.raises(SpecError, match=r"sets\[0\]: Megatron roles of one colocated set "
                                         r"share one \(tp, pp, vpp\) layout"):
         validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
-            "training": "megatron"}}}), mixed, ExecutionOptions())
+            "training": "megatron"}}}), mixed, remote)
     validate_for_execution(job_from_mapping({**base, "backends": {"actor": {
         "training": "torch", "generation": "native"}}}), plan, ExecutionOptions())
 
@@ -404,3 +412,40 @@ def test_a_failed_groups_workers_are_killed_without_asking_them_to_stop(monkeypa
     calls.clear()
     group.shutdown()
     assert calls == ["shutdown", "shutdown", "wait", "kill", "kill", "free"]
+
+
+def test_run_options_round_trip_through_meta_json():
+    """Every option a run keeps is written and read by the same code: a run resumed from
+    its meta.json has the options it was started with (--save-hf-every and --log
+    tensorboard included), and the invocation's own options come from the command line."""
+    from dataclasses import fields, replace
+
+    from executor.run import RUN_LOCAL_OPTIONS, ExecutionOptions
+
+    started = ExecutionOptions(
+        steps=7, seed=3, out=Path("runs/a"), transition="naive", actor_lr=1e-5,
+        critic_lr=2e-5, rl=rl.RLConfig(gamma=0.99, kl_coef=0.05),
+        task=SortDigits(digits=4, values=6), temperature=0.9, top_p=0.95,
+        reward_warmup_steps=3, worker_setup="tests.compat.megatron_cpu:install",
+        validate_every=2, save_hf=Path("out/actor"), save_hf_every=5,
+        save_hf_critic=Path("out/critic"), log_tensorboard=True, checkpoint_every=4,
+        max_restarts=1, checkpoints={"actor": "/models/qwen"}, worker_logs=True)
+    changed = [f.name for f in fields(ExecutionOptions)
+               if f.name not in RUN_LOCAL_OPTIONS and f.name != "log"
+               and getattr(started, f.name) == getattr(ExecutionOptions(), f.name)]
+    assert changed == [], f"give these a non-default value here: {changed}"
+    saved = json.loads(json.dumps(started.to_saved()))
+    assert not set(saved) & set(RUN_LOCAL_OPTIONS)
+    resumed = ExecutionOptions.from_saved(saved, out=Path("runs/a"), resume=Path("runs/a"),
+                                          worker_logs=True)
+    assert resumed == replace(started, resume=Path("runs/a"))
+
+
+def test_run_options_from_a_hand_edited_meta_json_name_the_key():
+    from executor.run import ExecutionOptions
+
+    saved = ExecutionOptions(steps=2).to_saved()
+    with pytest.raises(SpecError, match=r"options\.save_hf_every.*expected an integer"):
+        ExecutionOptions.from_saved({**saved, "save_hf_every": "often"})
+    with pytest.raises(SpecError, match=r"options\.checkpoint_evry.*unknown key"):
+        ExecutionOptions.from_saved({**saved, "checkpoint_evry": 2})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -166,6 +167,48 @@ def test_infeasible_job_names_the_smallest_cluster_and_the_memory() -> None:
     assert "The smallest cluster that fits: 32 GPUs" in result.infeasible_reason
     assert smallest_cluster(job) == 32
     assert "actor" in explain_infeasible(job)
+
+
+GRPO_7B_ON_ONE_GPU_NODES = {
+    "algorithm": "grpo", "framework": "verl",
+    "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+    "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "h100-80gb"},
+    "workload": {"prompts_per_iteration": 512, "prompt_length": 1024, "samples_per_prompt": 8,
+                 "response_length": {"distribution": "max_entropy", "mean": 1500,
+                                     "max": 4096}}}
+PPO_FOUR_7B_ON_ONE_GPU_NODES = {
+    "algorithm": "ppo", "framework": "verl",
+    "models": {"actor": "llama2-7b", "critic": "llama2-7b", "ref": "llama2-7b",
+               "reward": "llama2-7b"},
+    "cluster": {"nodes": 1, "gpus_per_node": 1, "device": "a100-80gb"},
+    "workload": {"prompts_per_iteration": 1024, "prompt_length": 1024,
+                 "response_length": 1024, "mini_batches_per_epoch": 8}}
+
+
+@pytest.mark.parametrize("mapping", [GRPO_7B_ON_ONE_GPU_NODES, PPO_FOUR_7B_ON_ONE_GPU_NODES],
+                         ids=["grpo-7b", "ppo-4x7b"])
+def test_the_smallest_cluster_named_is_the_smallest_that_plan_accepts(mapping) -> None:
+    """The number in the refusal comes from the search's own check: `plan` accepts that
+    many GPUs and refuses the size below it; the per-GPU need it quotes shrinks (never
+    grows) as the cluster grows."""
+    job = job_from_mapping(mapping)
+    refusal = plan_job(job).infeasible_reason
+    smallest = smallest_cluster(job)
+    assert smallest is not None and f"The smallest cluster that fits: {smallest} GPUs" in refusal
+    sizes = set_sizes(64, job.cluster.gpus_per_node)
+    below = sizes[sizes.index(smallest) - 1]
+
+    def on(gpus: int) -> JobSpec:
+        return job.with_cluster(job.cluster.with_total_gpus(gpus))
+
+    assert plan_job(on(smallest)).best is not None
+    assert plan_job(on(below)).best is None
+
+    def need_gib(gpus: int) -> float:
+        return float(explain_infeasible(on(gpus)).split(" GiB per GPU while")[0].split()[-1])
+
+    assert all(need_gib(g) >= need_gib(h) for g, h in itertools.pairwise(sizes)
+               if h < smallest)
 
 
 def test_pinned_roles_are_respected() -> None:
