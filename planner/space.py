@@ -429,6 +429,8 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         else:
             sequence_parallel = pins.get("sequence_parallel", engine.sequence_parallel) \
                 and layout.tp > 1 and layout.sharding != "fsdp"
+        if job.model(role).moe is not None and layout.tp > 1 and not sequence_parallel:
+            continue  # MoE layers under tp > 1 need sequence parallelism (ParallelConfig)
         knobs = [(ep_etp, batching, recompute, offload, sp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
                  for batching in _batchings(job, trained, engine, pins, options)
@@ -501,10 +503,19 @@ def _offloads(trained: bool, engine: EngineSpace, job: JobSpec) -> list[tuple[bo
     return out
 
 
+def _pinned_micro_batch(job: JobSpec, trained: bool, pins: dict[str, Any]) -> int | None:
+    """The micro-batch the job fixes: the role's pin, else for a trained role the workload's
+    ``train_micro_batch_size`` where it gives one."""
+    if "micro_batch_size" in pins:
+        return pins["micro_batch_size"]
+    return job.workload.train_micro_batch_size if trained else None
+
+
 def _micro_batches(job: JobSpec, trained: bool, pins: dict[str, Any],
                    options: SpaceOptions) -> tuple[int, ...]:
-    if "micro_batch_size" in pins:
-        return (pins["micro_batch_size"],)
+    pinned = _pinned_micro_batch(job, trained, pins)
+    if pinned is not None:
+        return (pinned,)
     return options.micro_batches if trained else (job.workload.infer_micro_batch_size,)
 
 
@@ -516,7 +527,7 @@ def _batchings(job: JobSpec, trained: bool, engine: EngineSpace, pins: dict[str,
     longest sequences (verl requires a budget of at least the longest sequence)."""
     out = [(mbs, 0, 0) for mbs in _micro_batches(job, trained, pins, options)]
     work = job.workload
-    if not engine.token_budget or "micro_batch_size" in pins \
+    if not engine.token_budget or _pinned_micro_batch(job, trained, pins) is not None \
             or work.response_length.max_tokens == work.response_length.mean_tokens():
         return out
     longest = work.max_sequence_tokens

@@ -14,6 +14,7 @@ from simulator.plan import ColocatedSet, Plan, RolePlan
 from simulator.specs.job import JobSpec
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.workload import DEFAULT_TRAIN_MICRO_BATCH_SIZE
 
 
 def _powers_of_two_up_to(limit: int) -> list[int]:
@@ -55,8 +56,9 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
         sharding=pinned.get("sharding", "optimizer" if trained and gpus > tp * pp else "none"),
         recompute=pinned.get("recompute", "selective"),
         sequence_parallel=pinned.get("sequence_parallel", True),
-        micro_batch_size=pinned.get("micro_batch_size", job.workload.train_micro_batch_size
-                                    if trained else job.workload.infer_micro_batch_size))
+        micro_batch_size=pinned.get("micro_batch_size", (
+            job.workload.train_micro_batch_size or DEFAULT_TRAIN_MICRO_BATCH_SIZE)
+            if trained else job.workload.infer_micro_batch_size))
     generation = None
     if "generate" in job.dataflow.operations_of(role):
         max_num_seqs, utilization = job.rollout_defaults()

@@ -224,8 +224,6 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         prompts_per_iteration=prompts, samples_per_prompt=samples, prompt_length=prompt,
         response_length=response_lengths(new_tokens, context), ppo_epochs=1,
         mini_batches_per_epoch=prompts * samples // global_batch,
-        train_micro_batch_size=parse_int(get("policy.train_micro_batch_size"),
-                                         "policy.train_micro_batch_size"),
         infer_micro_batch_size=parse_int(get("policy.logprob_batch_size"),
                                          "policy.logprob_batch_size"))
     if context.job is not None:
@@ -278,7 +276,8 @@ def _policy(get: Any, job: JobSpec, gpus: int, megatron: bool, *, trained: bool)
     """The policy's layout (the reference runs in it, NeMo-RL swapping its weights in)."""
     role = "actor" if trained else "ref"
     grad, param = job.overlap_for(role)
-    mbs = job.workload.train_micro_batch_size if trained else job.workload.infer_micro_batch_size
+    mbs = parse_int(get("policy.train_micro_batch_size"), "policy.train_micro_batch_size") \
+        if trained else job.workload.infer_micro_batch_size
     if not megatron:
         cfg = "policy.dtensor_cfg"
         tp = parse_int(get(f"{cfg}.tensor_parallel_size"), f"{cfg}.tensor_parallel_size")

@@ -190,7 +190,6 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         response_length=response_lengths(new_tokens, context),
         ppo_epochs=s.int("train.max_epochs"),
         mini_batches_per_epoch=prompts * samples // per_step,
-        train_micro_batch_size=s.int("train.micro_batch_size"),
         infer_micro_batch_size=s.int("rollout.micro_batch_size"))
     if context.job is not None:
         workload = replace(workload, dtype=context.job.workload.dtype,
@@ -260,7 +259,7 @@ def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict
         par = ParallelConfig(tp=tp, pp=1, dp=dp, sharding=sharding,  # type: ignore[arg-type]
                              recompute=recompute if trained else "none",  # type: ignore[arg-type]
                              sequence_parallel=False,
-                             micro_batch_size=job.workload.train_micro_batch_size if trained
+                             micro_batch_size=s.int("train.micro_batch_size") if trained
                              else job.workload.infer_micro_batch_size,
                              overlap_grad_reduce=grad, overlap_param_gather=param)
         plans[role] = RolePlan(parallel=par, training_backend="torch" if sharding != "optimizer"

@@ -271,8 +271,6 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         samples_per_prompt=s.int("actor_rollout_ref.rollout.n"),
         ppo_epochs=s.int("actor_rollout_ref.actor.ppo_epochs"),
         mini_batches_per_epoch=prompts // mini,
-        train_micro_batch_size=1 if s.bool("actor_rollout_ref.actor.use_dynamic_bsz")
-        else _micro_batch(s, "actor_rollout_ref.actor"),
         infer_micro_batch_size=infer_mbs)
     if context.job is not None:
         workload = replace(workload, dtype=context.job.workload.dtype,

@@ -21,6 +21,10 @@ MAX_SEQUENCE_TOKENS = 2**24
 context window a released model has (Llama 4 Scout, 10M tokens: Meta, "The Llama 4 herd",
 April 2025), so a larger number is a typo, not a workload."""
 
+DEFAULT_TRAIN_MICRO_BATCH_SIZE = 2
+"""Sequences per GPU per training micro-batch of a plan built without a search (``simulate``
+with no plan) when the workload gives none: the HybridFlow paper's PPO setting's value."""
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Workload:
@@ -51,8 +55,12 @@ class Workload:
     """Passes over the iteration's experience in training."""
     mini_batches_per_epoch: int = 8
     """Optimizer steps per epoch (the experience is split into this many mini-batches)."""
-    train_micro_batch_size: int = 2
-    """Sequences per GPU per forward/backward in training (the planner may change it)."""
+    train_micro_batch_size: int | None = None
+    """Sequences per GPU per forward/backward in training. Given, every trained role trains at
+    it (``parallel.ROLE.micro_batch_size`` overrides it for one role) and the search does not
+    change it; absent (null), the search chooses (1, 2, 4 sequences, or a token budget where
+    the framework forms micro-batches by tokens) and a plan built without a search uses
+    ``DEFAULT_TRAIN_MICRO_BATCH_SIZE``."""
     infer_micro_batch_size: int = 8
     """Sequences per GPU per forward in inference (critic values, reference, reward)."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -70,6 +78,8 @@ class Workload:
                     "ppo_epochs", "mini_batches_per_epoch", "train_micro_batch_size",
                     "infer_micro_batch_size"):
             value = getattr(self, key)
+            if value is None and key == "train_micro_batch_size":
+                continue
             require(value > 0, f"must be a positive integer, got {value}", key)
         require(self.controller_seconds_per_sample >= 0, "must be >= 0",
                 "controller_seconds_per_sample")
