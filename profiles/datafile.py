@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -276,6 +277,14 @@ def field_parser(parse: Callable[[Any, str], Any]) -> dict[str, Any]:
     return {"parse": parse}
 
 
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    """' (did you mean 'x'?)' for the closest of ``choices`` to a mistyped ``word`` (case
+    ignored), or '' when none is close."""
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+
+
 def from_mapping(
     cls: type[T],
     data: Mapping[str, Any],
@@ -297,8 +306,10 @@ def from_mapping(
     unknown = [k for k in data if k not in fields]
     if unknown:
         allowed = ", ".join(fields)
+        hint = did_you_mean(str(unknown[0]), list(fields))
         raise SpecError(
-            f"unknown key (allowed: {allowed})", key=f"{prefix}{unknown[0]}", source=source
+            f"unknown key{hint} (allowed: {allowed})", key=f"{prefix}{unknown[0]}",
+            source=source
         )
     kwargs: dict[str, Any] = {}
     try:
@@ -348,6 +359,7 @@ def require(condition: bool, problem: str, key: str | None = None) -> None:
 __all__ = [
     "SpecError",
     "convert",
+    "did_you_mean",
     "field_parser",
     "from_mapping",
     "read_mapping",

@@ -19,7 +19,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, convert, from_mapping, read_mapping, require
+from profiles.datafile import (
+    SpecError,
+    convert,
+    did_you_mean,
+    from_mapping,
+    read_mapping,
+    require,
+)
 
 DEVICES_DIR = Path(__file__).resolve().parent / "devices"
 """Where the shipped profiles live; extra directories come from ``$HYBRIDFLOW_PROFILE_PATH``."""
@@ -359,14 +366,15 @@ def resolve_profile_path(name_or_path: str) -> Path:
         if not candidate.exists():
             raise SpecError(f"profile file not found: {name_or_path}", key="device")
         return candidate
-    for directory in profile_search_path():
-        path = directory / f"{name_or_path}.yaml"
-        if path.exists():
-            return path
+    for name in (name_or_path, name_or_path.lower()):
+        for directory in profile_search_path():
+            path = directory / f"{name}.yaml"
+            if path.exists():
+                return path
+    available = available_profiles()
     raise SpecError(
-        f"unknown device profile {name_or_path!r} (available: {', '.join(available_profiles())})",
-        key="device",
-    )
+        f"unknown device profile {name_or_path!r}{did_you_mean(name_or_path, available)} "
+        f"(available: {', '.join(available)})", key="device")
 
 
 def load_profile_file(path: str | Path) -> DeviceProfile:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from profiles.datafile import SpecError
-from simulator.specs.job import RULE, JobSpec, load_job
+from simulator.specs.job import RULE, JobSpec, job_from_mapping, load_job
 from simulator.specs.lengths import LengthDistribution, parse_lengths
 from tests.conftest import EXAMPLES, write
 
@@ -148,3 +148,26 @@ def test_empirical_lengths_from_csv(tmp_path: Path) -> None:
     write(csv, "tokens\n5\n")
     with pytest.raises(SpecError, match="needs a 'length' column"):
         parse_lengths({"distribution": "empirical", "csv": str(csv)}, "r")
+
+
+def test_typos_get_a_did_you_mean_and_device_and_model_names_ignore_case() -> None:
+    base = {"algorithm": "grpo", "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b",
+                                            "reward": "rule"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+            "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 4}}
+    with pytest.raises(SpecError, match=r"modles: unknown key \(did you mean 'models'\?\)"):
+        job_from_mapping({**{k: v for k, v in base.items() if k != "models"},
+                          "modles": base["models"]})
+    with pytest.raises(SpecError, match=r"workload\.prompt_lenght: unknown key \(did you mean "
+                                        r"'prompt_length'\?\)"):
+        job_from_mapping({**base, "workload": {**base["workload"], "prompt_lenght": 8}})
+    with pytest.raises(SpecError, match=r"unknown device profile 'h100-80gv' \(did you mean "
+                                        r"'h100-80gb'\?\)"):
+        job_from_mapping({**base, "cluster": {**base["cluster"], "device": "h100-80gv"}})
+    with pytest.raises(SpecError, match=r"unknown model 'qwen2.5-7c' \(did you mean "
+                                        r"'qwen2.5-7b'\?\)"):
+        job_from_mapping({**base, "models": {**base["models"], "ref": "qwen2.5-7c"}})
+    shouted = job_from_mapping({**base, "cluster": {**base["cluster"], "device": "H100-80GB"},
+                                "models": {**base["models"], "actor": "Qwen2.5-7B"}})
+    assert shouted.cluster.profile().name == "h100-80gb"
+    assert shouted.model("actor").name == "qwen2.5-7b"

@@ -7,7 +7,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, from_mapping, read_mapping, require
+from profiles.datafile import SpecError, did_you_mean, from_mapping, read_mapping, require
 from profiles.framework import DEFAULT_FRAMEWORK, FixedCosts, FrameworkProfile, load_framework
 from simulator.specs.asynchrony import JobMode, Mode, allowed_modes, check_mode
 from simulator.specs.cluster import ClusterSpec, Pool
@@ -527,7 +527,8 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
     try:
         unknown = [k for k in data if k not in JOB_KEYS]
         if unknown:
-            raise SpecError(f"unknown key (allowed: {', '.join(JOB_KEYS)})", key=unknown[0])
+            raise SpecError(f"unknown key{did_you_mean(str(unknown[0]), JOB_KEYS)} (allowed: "
+                            f"{', '.join(JOB_KEYS)})", key=unknown[0])
         if "models" not in data:
             raise SpecError("missing required key", key="models")
         if "cluster" not in data:

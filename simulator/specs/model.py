@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, from_mapping, read_mapping, require
+from profiles.datafile import SpecError, did_you_mean, from_mapping, read_mapping, require
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -561,6 +561,8 @@ def load_model(value: str | dict[str, Any], *, base_dir: Path | None = None,
         raise SpecError(f"expected a preset name, a path or a mapping, got {value!r}", key=key)
     if value in MODEL_PRESETS:
         return MODEL_PRESETS[value]
+    if value.lower() in MODEL_PRESETS:
+        return MODEL_PRESETS[value.lower()]
     path = Path(value)
     if base_dir is not None and not path.is_absolute():
         path = base_dir / path
@@ -576,5 +578,6 @@ def load_model(value: str | dict[str, Any], *, base_dir: Path | None = None,
             raise SpecError(f"file not found: {path}", key=key)
         return from_mapping(ModelSpec, read_mapping(path), source=str(path))
     raise SpecError(
-        f"unknown model {value!r}: give a preset ({', '.join(sorted(MODEL_PRESETS))}), "
+        f"unknown model {value!r}{did_you_mean(value, sorted(MODEL_PRESETS))}: give a preset "
+        f"({', '.join(sorted(MODEL_PRESETS))}), "
         "a spec .yaml, or a Hugging Face config.json", key=key)
