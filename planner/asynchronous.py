@@ -98,8 +98,11 @@ def search_async(job: JobSpec, mode: Mode, staleness: int,
             trainer_options = replace(options, placements=kept)
         result = Search(trainer_job, trainer_options).run(top_k=TRAINER_FINALISTS)
         layouts = rollout_layouts(job, rollout_gpus)
+        whole_nodes = job.framework_profile.space.whole_node_split and total > gpn
         for candidate in result.ranking:
             trainer_plan = candidate.to_plan(trainer_job)
+            if whole_nodes and trainer_plan.total_gpus % gpn:
+                continue
             for gen in layouts:
                 roles = dict(trainer_plan.roles)
                 actor = roles["actor"]

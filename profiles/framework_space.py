@@ -244,6 +244,9 @@ class FrameworkSpace:
     one process per GPU)."""
     one_node_group: bool = False
     """Every set on one kind of node (the framework sizes pools in nodes of one shape)."""
+    whole_node_split: bool = False
+    """Beside a rollout set, the trainer takes whole nodes once the two span more than one
+    node (the framework splits its cluster into training and generation nodes)."""
     generation: GenerationSpace = field(default_factory=GenerationSpace)
     batch_rules: tuple[str, ...] = ()
     """Checks the framework makes of its batch against a layout (``BATCH_RULES``): a plan

@@ -356,7 +356,7 @@ def test_export_files_names_an_unknown_target() -> None:
         export_files(plan, job_of(plan), "nemo")
 
 
-def test_verl_export_carries_expert_parallelism_and_openrlhf_refuses_moe() -> None:
+def test_verl_export_carries_expert_parallelism_and_openrlhf_refuses_it() -> None:
     plan = strategy("grpo-moe", "searched")
     assert plan.roles["actor"].parallel.ep == 2 and plan.roles["ref"].parallel.ep == 4
     lines = verl_files(plan, job_of(plan))["verl_overrides.txt"].splitlines()
@@ -365,6 +365,8 @@ def test_verl_export_carries_expert_parallelism_and_openrlhf_refuses_moe() -> No
     assert "actor_rollout_ref.ref.megatron.expert_model_parallel_size=4" in lines
     assert "actor_rollout_ref.rollout.expert_parallel_size=4" in lines
     assert verl_round_trip(plan) == plan_layout(plan)
-    with pytest.raises(SpecError, match="no expert parallelism") as info:
+    # DeepSpeed trains a mixture of experts without expert parallelism: the layout with
+    # ep > 1 is refused, naming the key and the value that would work.
+    with pytest.raises(SpecError, match="no expert parallelism: set ep: 1") as info:
         openrlhf_files(plan, job_of(plan))
-    assert info.value.key == "models.actor"
+    assert info.value.key == "roles.actor.parallel.ep"

@@ -64,7 +64,7 @@ def nemo_rl_overrides(plan: Plan, job: JobSpec, translation: Translation | None 
                         f"{work.ppo_epochs} epochs", key="job.workload.ppo_epochs")
     engine = "megatron" if actor.training_backend == "megatron" or par.pp > 1 \
         or par.sharding == "optimizer" else "dtensor"
-    gpn = job.cluster.gpus_per_node
+    gpn = _gpus_per_node(plan, job)
     nodes, per_node = _cluster_shape(plan, gpn)
     sequences = work.sequences_per_iteration
     out = [
@@ -88,6 +88,16 @@ def nemo_rl_overrides(plan: Plan, job: JobSpec, translation: Translation | None 
     out += _policy(par, job, engine, translation)
     out += _generation(plan, job, gen, translation)
     return BASE_CONFIG[engine], out
+
+
+def _gpus_per_node(plan: Plan, job: JobSpec) -> int:
+    """The node size of the node group the plan runs on (NeMo-RL's cluster.gpus_per_node is
+    one number: every set and the rollout share one node group)."""
+    groups = {s.node_group for s in plan.located_sets()}
+    if len(groups) > 1:
+        raise SpecError("NeMo-RL sizes its cluster in nodes of one kind (cluster.gpus_per_node); "
+                        "the plan uses several node groups", key="sets")
+    return job.cluster.pool_of(groups.pop()).group.gpus_per_node
 
 
 def _cluster_shape(plan: Plan, gpus_per_node: int) -> tuple[int, int]:
@@ -170,7 +180,7 @@ def _generation(plan: Plan, job: JobSpec, gen: GenerationConfig,
     if plan.rollout is None:
         return [*out, "policy.generation.colocated.enabled=true",
                 f"{vllm}.async_engine={_bool(gen.pp > 1)}", "grpo.async_grpo.enabled=false"]
-    cluster_nodes, cluster_gpn = _cluster_shape(plan, job.cluster.gpus_per_node)
+    cluster_nodes, cluster_gpn = _cluster_shape(plan, _gpus_per_node(plan, job))
     nodes, per_node = (1, plan.rollout.gpus) if cluster_nodes == 1 else \
         (plan.rollout.gpus // cluster_gpn, cluster_gpn)
     return [*out, "policy.generation.colocated.enabled=false",

@@ -154,15 +154,19 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
         raise SpecError(f"OpenRLHF 0.11 has no {job.algorithm} trainer (estimators: gae and "
                         "group baselines; no ReMax greedy baseline, no cost model)",
                         key="algorithm")
-    moe = [role for role in job.gpu_roles if job.model(role).moe is not None]
-    if moe:
-        raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no expert parallelism: {moe[0]} is a "
-                        "mixture of experts; export the plan to verl", key=f"models.{moe[0]}")
+    experts = [role for role in job.gpu_roles if plan.roles[role].parallel.ep > 1]
+    if experts:
+        # DeepSpeed trains a mixture of experts as it trains a dense model (ZeRO shards every
+        # expert; profiles/frameworks/openrlhf.yaml), with no expert-parallel groups.
+        raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no expert parallelism: set "
+                        f"ep: 1 for {experts[0]}, or export the plan to verl",
+                        key=f"roles.{experts[0]}.parallel.ep")
     flags = _placement_flags(plan, job)
-    if any(s.node_group for s in plan.located_sets()):
+    groups = {s.node_group for s in plan.located_sets()}
+    if len(groups) > 1:
         raise SpecError("OpenRLHF 0.11 sizes every group in nodes of one kind; the plan uses "
                         "several node groups", key="sets")
-    gpn = job.cluster.node_groups[0].gpus_per_node
+    gpn = job.cluster.pool_of(groups.pop()).group.gpus_per_node
     work = job.workload
     actor = plan.roles["actor"]
     gen = actor.generation
