@@ -634,6 +634,11 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
     with _about(config or plan_path):
         result = plan_job(job, options, pinned=pinned, given=given, progress=progress)
     progress.close()
+    from planner.sanity import plan_warnings
+
+    warnings = plan_warnings(result.best)
+    for warning in warnings:
+        click.echo(f"hybridflow: warning: {warning}", err=True)
     files = write_plan_report(result, out)
     comparison = None
     if baseline is not None:
@@ -642,7 +647,7 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         with _about(baseline_path):
             comparison = compare_with_baseline(job, baseline, result.best)
     if as_json:
-        summary = plan_json(result)
+        summary = {**plan_json(result), "warnings": warnings}
         if comparison is not None:
             summary["baseline"] = comparison.to_value()
         _emit_json(summary)

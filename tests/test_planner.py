@@ -287,3 +287,26 @@ def test_forward_passes_and_transitions_do_not_read_the_training_micro_batch_or_
     for scheme in ("micro_dp", "train_group", "all_gpus"):
         assert len({transition(job.model("actor"), profile, p, gen, scheme=scheme).seconds
                     for p in layouts}) == 1
+
+
+def test_plans_worth_a_second_look_get_a_warning() -> None:
+    """A plan is valid but suspicious when an iteration takes hours (a batch with a zero too
+    many) or when most of the cluster's GPU time is idle; the default job gets neither."""
+    from planner.sanity import plan_warnings
+
+    assert plan_warnings(plan_job(default_job()).best) == []
+    rule = {"algorithm": "grpo", "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b",
+                                            "reward": "rule"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+            "workload": {"prompts_per_iteration": 20000, "samples_per_prompt": 8,
+                         "prompt_length": 512, "response_length": 1024}}
+    [long] = plan_warnings(plan_job(job_from_mapping(rule)).best)
+    assert "an iteration takes" in long and "hours" in long
+    assert "workload.prompts_per_iteration (20000)" in long
+    small = {**rule, "models": {"actor": "qwen2.5-0.5b", "ref": "qwen2.5-0.5b",
+                                "reward": "rule"},
+             "cluster": {"nodes": 4, "gpus_per_node": 8, "device": "h100-80gb"},
+             "workload": {"prompts_per_iteration": 8, "samples_per_prompt": 4,
+                          "prompt_length": 64, "response_length": 64}}
+    [idle] = plan_warnings(plan_job(job_from_mapping(small)).best)
+    assert "GPUs are idle" in idle and "of the 32 GPUs hold no model" in idle
