@@ -370,3 +370,26 @@ def test_verl_export_carries_expert_parallelism_and_openrlhf_refuses_it() -> Non
     with pytest.raises(SpecError, match="no expert parallelism: set ep: 1") as info:
         openrlhf_files(plan, job_of(plan))
     assert info.value.key == "roles.actor.parallel.ep"
+
+
+def test_openrlhf_export_names_every_problem_at_once_with_its_key() -> None:
+    """A plan from another framework's space that OpenRLHF cannot run: every reason in one
+    line, each with the key that changes it, and the job setting that avoids them all."""
+    job = job_from_mapping({
+        "algorithm": "ppo", "framework": "hybridflow",
+        "models": {"actor": "llama2-7b", "critic": "llama2-7b", "ref": "llama2-7b",
+                   "reward": "llama2-7b"},
+        "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "a100-80gb"},
+        "workload": {"prompts_per_iteration": 1024, "prompt_length": 1024,
+                     "response_length": 1024},
+        "parallel": {"actor": {"pp": 2, "sharding": "optimizer"},
+                     "critic": {"sharding": "fsdp"}}})
+    plan = plan_job(job).best.plan
+    with pytest.raises(SpecError) as info:
+        openrlhf_files(plan, job)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("roles.actor.parallel.pp: 2 problems: ")
+    assert "(1) roles.actor.parallel.pp: OpenRLHF 0.11 (DeepSpeed) has no pipeline" in message
+    assert "(2) roles: OpenRLHF 0.11 uses one --ds.zero_stage" in message
+    assert message.endswith("(or plan the job with framework: openrlhf, whose search leaves "
+                            "these out)")

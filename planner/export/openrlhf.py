@@ -14,6 +14,8 @@ AutoTP size for every model (``--ds.*``), no pipeline parallelism.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
+from typing import Any
 
 from planner.export import (
     Layout,
@@ -69,25 +71,40 @@ def _placement_flags(plan: Plan, job: JobSpec) -> list[str]:
     return flags
 
 
-def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
-    """One ZeRO stage and one AutoTP size for every model; frozen models sharded exactly
-    when training is ZeRO-3."""
+def _check_pipeline(plan: Plan) -> None:
     for role, rp in plan.roles.items():
         if rp.parallel.pp > 1:
             raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no pipeline parallelism "
                             f"({role}: {rp.parallel.short()}); set pp: 1",
                             key=f"roles.{role}.parallel.pp")
+
+
+def _check_one_tp(plan: Plan) -> None:
     tps = {role: rp.parallel.tp for role, rp in plan.roles.items()}
     if len(set(tps.values())) > 1:
         shown = ", ".join(f"{r} tp={t}" for r, t in tps.items())
         raise SpecError(f"OpenRLHF 0.11 uses one --ds.tensor_parallel_size for every model; the "
                         f"plan has {shown}: give every role tp={tps['actor']}", key="roles")
-    trained = {r: plan.roles[r].parallel.sharding for r in ("actor", "critic")
-               if r in plan.roles and plan.roles[r].parallel.dp > 1}
+
+
+def _trained_sharding(plan: Plan) -> dict[str, str]:
+    return {r: plan.roles[r].parallel.sharding for r in ("actor", "critic")
+            if r in plan.roles and plan.roles[r].parallel.dp > 1}
+
+
+def _check_one_zero_stage(plan: Plan) -> None:
+    trained = _trained_sharding(plan)
     if len(set(trained.values())) > 1:
         shown = ", ".join(f"{r} {s}" for r, s in trained.items())
         raise SpecError(f"OpenRLHF 0.11 uses one --ds.zero_stage for every trained model; the "
                         f"plan has {shown}: give both sharding {trained['actor']}", key="roles")
+
+
+def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
+    """One ZeRO stage and one AutoTP size for every model (``_check_one_tp``,
+    ``_check_one_zero_stage``); frozen models sharded exactly when training is ZeRO-3."""
+    tp = plan.roles["actor"].parallel.tp
+    trained = _trained_sharding(plan)
     # One data-parallel rank shards nothing at any stage: ZeRO-1 then, which (unlike stage 0)
     # has the optimizer wrapper --ds.enable_sleep offloads.
     stage = ZERO_STAGE[next(iter(trained.values()), "optimizer")] or 1
@@ -100,7 +117,7 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
                 f"(--ds.zero_stage={stage}); {role} has sharding {rp.parallel.sharding}",
                 key=f"roles.{role}.parallel.sharding", fix=f"set sharding: {frozen}",
                 written=f"sharding {frozen}")
-    return [f"--ds.zero_stage={stage}", f"--ds.tensor_parallel_size={tps['actor']}"]
+    return [f"--ds.zero_stage={stage}", f"--ds.tensor_parallel_size={tp}"]
 
 
 def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list[str]:
@@ -144,16 +161,14 @@ def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list
     return out
 
 
-def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = None
-                  ) -> list[str]:
-    """The arguments of ``train_ppo_ray`` for ``plan``; SpecError if OpenRLHF 0.11 cannot
-    express it (a plan made for another framework is translated: ``translation`` collects
-    the differences)."""
-    translation = translation or translation_for(job, "openrlhf")
+def _check_trainer(plan: Plan, job: JobSpec) -> None:
     if job.algorithm not in ESTIMATOR:
         raise SpecError(f"OpenRLHF 0.11 has no {job.algorithm} trainer (estimators: gae and "
                         "group baselines; no ReMax greedy baseline, no cost model)",
                         key="algorithm")
+
+
+def _check_experts(plan: Plan, job: JobSpec) -> None:
     experts = [role for role in job.gpu_roles if plan.roles[role].parallel.ep > 1]
     if experts:
         # DeepSpeed trains a mixture of experts as it trains a dense model (ZeRO shards every
@@ -161,30 +176,86 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
         raise SpecError(f"OpenRLHF 0.11 (DeepSpeed) has no expert parallelism: set "
                         f"ep: 1 for {experts[0]}, or export the plan to verl",
                         key=f"roles.{experts[0]}.parallel.ep")
-    flags = _placement_flags(plan, job)
+
+
+def _node_size(plan: Plan, job: JobSpec) -> int:
     groups = {s.node_group for s in plan.located_sets()}
     if len(groups) > 1:
         raise SpecError("OpenRLHF 0.11 sizes every group in nodes of one kind; the plan uses "
                         "several node groups", key="sets")
-    gpn = job.cluster.pool_of(groups.pop()).group.gpus_per_node
-    work = job.workload
-    actor = plan.roles["actor"]
-    gen = actor.generation
+    return job.cluster.pool_of(groups.pop()).group.gpus_per_node
+
+
+def _check_rollout(plan: Plan, job: JobSpec) -> None:
+    gen = plan.roles["actor"].generation
     assert gen is not None
     if gen.pp > 1:
         raise SpecError(f"OpenRLHF 0.11's vLLM engines have no pipeline parallelism "
                         f"(generation pp={gen.pp})", key="roles.actor.generation.pp")
+
+
+def _check_batches(plan: Plan, job: JobSpec) -> None:
+    work = job.workload
+    if work.sequences_per_iteration % work.mini_batches_per_epoch:
+        raise SpecError(f"{work.sequences_per_iteration} sequences do not split into "
+                        f"{work.mini_batches_per_epoch} equal mini-batches (--train.batch_size)",
+                        key="job.workload.mini_batches_per_epoch")
+
+
+def _check_reward(plan: Plan, job: JobSpec) -> None:
+    if job.models.get("reward") == RULE and job.reward_function is None:
+        raise SpecError("OpenRLHF 0.11 scores with a reward model, a remote URL or a Python "
+                        "reward file; this job's rule reward names no file (set the job's "
+                        "reward_function: FILE.py)", key="job.models.reward")
+
+
+def all_problems(job: JobSpec, checks: list[Callable[[], Any]]) -> list[Any]:
+    """Run every check (a refusal does not stop the others) and return their results; raise
+    one SpecError, in one line, naming every problem with its key, when any refused. A plan
+    made under another framework is fixed at once by planning it under OpenRLHF's space."""
+    problems: list[SpecError] = []
+    results = []
+    for check in checks:
+        try:
+            results.append(check())
+        except SpecError as exc:
+            problems.append(exc)
+            results.append(None)
+    if not problems:
+        return results
+    layout = any(not p.key.startswith("job.") and p.key != "algorithm" for p in problems)
+    replan = "" if job.framework_profile.name == "openrlhf" or not layout else \
+        " (or plan the job with framework: openrlhf, whose search leaves these out)"
+    if len(problems) == 1:
+        raise SpecError(f"{problems[0].problem}{replan}", key=problems[0].key)
+    listed = "; ".join(f"({i}) {p.key}: {p.problem}" for i, p in enumerate(problems, 1))
+    raise SpecError(f"{len(problems)} problems: {listed}{replan}", key=problems[0].key)
+
+
+def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = None
+                  ) -> list[str]:
+    """The arguments of ``train_ppo_ray`` for ``plan``; SpecError naming every part of the
+    plan or job that OpenRLHF 0.11 cannot express (a plan made for another framework is
+    translated: ``translation`` collects the differences)."""
+    translation = translation or translation_for(job, "openrlhf")
+    _, _, flags, gpn, *_ = all_problems(job, [
+        lambda: _check_trainer(plan, job), lambda: _check_experts(plan, job),
+        lambda: _placement_flags(plan, job), lambda: _node_size(plan, job),
+        lambda: _check_rollout(plan, job), lambda: _check_pipeline(plan),
+        lambda: _check_one_tp(plan), lambda: _check_one_zero_stage(plan),
+        lambda: _check_batches(plan, job), lambda: _check_reward(plan, job)])
+    deepspeed = _deepspeed(plan, translation)
+    work = job.workload
+    actor = plan.roles["actor"]
+    gen = actor.generation
+    assert gen is not None
     out: list[str] = []
     for role in job.gpu_roles:
         nodes, per_node = nodes_of(plan.set_of(role).gpus, gpn)
         out += [f"--{role}.num_nodes={nodes}", f"--{role}.num_gpus_per_node={per_node}"]
     out += flags
-    out += _deepspeed(plan, translation)
+    out += deepspeed
     sequences = work.sequences_per_iteration
-    if sequences % work.mini_batches_per_epoch:
-        raise SpecError(f"{sequences} sequences do not split into {work.mini_batches_per_epoch} "
-                        "equal mini-batches (--train.batch_size)",
-                        key="job.workload.mini_batches_per_epoch")
     generating_gpus = plan.rollout.gpus if plan.rollout is not None else plan.set_of("actor").gpus
     out += [
         f"--algo.advantage.estimator={ESTIMATOR[job.algorithm]}",
@@ -205,10 +276,7 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
     if "critic" in plan.roles:
         out.append(f"--critic.model_name_or_path={model_path(job, 'critic')}")
     if job.models.get("reward") == RULE:
-        if job.reward_function is None:
-            raise SpecError("OpenRLHF 0.11 scores with a reward model, a remote URL or a Python "
-                            "reward file; this job's rule reward names no file",
-                            key="job.models.reward")
+        assert job.reward_function is not None
         out.append(f"--reward.remote_url={job.reward_function.path}")
     else:
         out.append(f"--reward.model_name_or_path={model_path(job, 'reward')}")
