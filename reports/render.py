@@ -169,24 +169,27 @@ def _distinct_profiles(job: JobSpec) -> list:
     return list({p.name: p for p in reversed(job.cluster.profiles())}.values())[::-1]
 
 
-def _accuracy_notes(profiles: list) -> str:
+def _accuracy_notes(profiles: list, kind: dict[str, bool]) -> str:
     """``_accuracy_note`` of each profile, with the uncalibrated profiles named together (they
-    share one statement: the validation against published measurements)."""
-    calibrated = [_accuracy_note(p) for p in profiles
+    share one statement: the validation against published measurements for a job of ``kind``:
+    ``_accuracy_note``'s keyword arguments)."""
+    calibrated = [_accuracy_note(p, **kind) for p in profiles
                   if p.provenance.accuracy or p.provenance.fitted_on]
     plain = [p for p in profiles if not (p.provenance.accuracy or p.provenance.fitted_on)]
     if len(plain) > 1:
-        note = _accuracy_note(plain[0])
+        note = _accuracy_note(plain[0], **kind)
         names = ", ".join(f"{p.name} ({p.provenance.source})" for p in plain)
         calibrated.append(f"Profiles {names} have not been calibrated on runs;"
                           + note.split("has not been calibrated on runs;", 1)[1])
     else:
-        calibrated += [_accuracy_note(p) for p in plain]
+        calibrated += [_accuracy_note(p, **kind) for p in plain]
     return " ".join(calibrated)
 
 
-def _accuracy_note(profile) -> str:
-    """What is known about how far to trust predictions made with ``profile``."""
+def _accuracy_note(profile, *, mixture_of_experts: bool = False,
+                   asynchronous: bool = False) -> str:
+    """What is known about how far to trust predictions made with ``profile``, for a job of
+    this kind (the validation groups of other kinds are left to ``hybridflow validate``)."""
     from planner.provenance import stale_calibration
     from simulator.validation import run_validation
 
@@ -211,12 +214,17 @@ def _accuracy_note(profile) -> str:
                 f"{provenance.residual_after or 0:.0%} (not measured on held-out runs)."
                 f"{warning}")
     _, groups = run_validation()
+    shown = [g for g in groups if g.applies_to(mixture_of_experts=mixture_of_experts,
+                                               asynchronous=asynchronous)]
     parts = [f"{g.group}: mean |error| {g.mean_abs_error_pct:.1f}%, max "
              f"{g.max_abs_error_pct:.1f}%, bias {g.bias_pct:+.1f}% ({g.bias_direction})"
-             for g in groups]
+             for g in shown]
+    kind = ("mixture-of-experts" if mixture_of_experts else "dense") + \
+        (", asynchronous" if asynchronous else "")
     return (f"Profile {profile.name} ({provenance.source}) has not been calibrated on runs; "
-            "the cost models' error against published measurements (`hybridflow validate`) "
-            "is " + "; ".join(parts) + ".")
+            f"the cost models' error against published measurements for {kind} jobs "
+            f"(`hybridflow validate` lists all {len(groups)} groups) is "
+            + "; ".join(parts) + ".")
 
 
 def _why(result: PlanningResult) -> list[str]:
@@ -357,7 +365,9 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         f"{stats.candidates_evaluated} complete candidates evaluated; "
         f"{stats.configs_evaluated} model configs costed; cost-model cache hit rate "
         f"{cache['hit_rate']:.0%}"]
-    accuracy = _accuracy_notes(_distinct_profiles(job))
+    accuracy = _accuracy_notes(_distinct_profiles(job), kind={
+        "mixture_of_experts": any(job.model(r).moe is not None for r in job.gpu_roles),
+        "asynchronous": result.best is not None and result.best.plan.rollout is not None})
 
     md = [f"# RLHF placement plan: {title}", ""]
     md += [f"- **{k}**: {v}" for k, v in summary]

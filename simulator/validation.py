@@ -57,6 +57,16 @@ class GroupSummary:
     and the gates, not failing ``validate``."""
     winners: tuple[str, ...] = ()
     """Groups comparing modes: per scale, the faster mode measured and predicted."""
+    mixture_of_experts: bool = False
+    """The group's models are mixtures of experts."""
+    asynchronous: bool = False
+    """The group's cases run a rollout set of their own (one_step_off or async)."""
+
+    def applies_to(self, *, mixture_of_experts: bool, asynchronous: bool) -> bool:
+        """Whether the group says something about a job of this kind: its models dense or
+        MoE as the job's, and its asynchronous cases only for an asynchronous plan."""
+        return self.mixture_of_experts == mixture_of_experts and \
+            (asynchronous or not self.asynchronous)
 
     @property
     def bias_direction(self) -> str:
@@ -329,5 +339,16 @@ def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[Gr
             gate_max_abs_error_pct=float(spec["gate_max_abs_error_pct"]),
             metric=spec.get("metric", "iteration_seconds"),
             assumptions=tuple(" ".join(a.split()) for a in assumptions),
-            winners=tuple(winners(group_rows))))
+            winners=tuple(winners(group_rows)),
+            mixture_of_experts=any(_case_model(case).moe is not None
+                                   for case in spec["cases"]),
+            asynchronous=any("rollout_gpus" in case for case in spec["cases"])))
     return pd.DataFrame(rows), summaries
+
+
+def _case_model(case: dict):
+    """The model a case measures (a whole-step case's actor)."""
+    from simulator.specs.model import load_model
+
+    model = case["job"]["models"]["actor"] if "job" in case else case["model"]
+    return load_model(model)

@@ -310,3 +310,25 @@ def test_plans_worth_a_second_look_get_a_warning() -> None:
                           "prompt_length": 64, "response_length": 64}}
     [idle] = plan_warnings(plan_job(job_from_mapping(small)).best)
     assert "GPUs are idle" in idle and "of the 32 GPUs hold no model" in idle
+
+
+def test_the_accuracy_banner_shows_the_validation_groups_of_the_jobs_kind(tmp_path) -> None:
+    """A dense synchronous job's report quotes the dense, synchronous validation groups, not
+    the MoE ones nor the asynchronous one; an MoE job's quotes the MoE groups."""
+    from reports.render import write_plan_report
+    from simulator.validation import run_validation
+
+    _, groups = run_validation()
+    dense_sync = {g.group for g in groups
+                  if g.applies_to(mixture_of_experts=False, asynchronous=False)}
+    assert "verl_async_modes_h20" not in dense_sync
+    assert "megatron_bridge_moe_h100_bf16" not in dense_sync
+    assert "korthikanti_2022_table5" in dense_sync
+    write_plan_report(plan_job(default_job()), tmp_path / "dense")
+    banner = next(line for line in (tmp_path / "dense/report.md").read_text().splitlines()
+                  if line.startswith("> "))
+    assert "for dense jobs" in banner and "korthikanti_2022_table5" in banner
+    assert "verl_async_modes_h20" not in banner and "moe" not in banner
+    moe = {g.group for g in groups
+           if g.applies_to(mixture_of_experts=True, asynchronous=False)}
+    assert moe and all("moe" in name for name in moe)
