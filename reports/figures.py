@@ -25,7 +25,8 @@ STRATEGY_COLOURS = {"searched": "#2a9d8f", "pinned": "#2a9d8f", "colocate": "#e9
 
 def _save(fig: plt.Figure, path: Path) -> Path:
     """Write the PNG through a temporary file and a rename (never half a file)."""
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     temporary = path.with_name(f".{path.name}.tmp")
     fig.savefig(temporary, dpi=120, format="png")
     plt.close(fig)
@@ -60,20 +61,28 @@ def throughput_by_strategy(names: Sequence[str], placements: Sequence[str],
     return _save(fig, path)
 
 
-def _operation_colour(role: str, operation: str, kind: str) -> str:
-    if kind == "transition":
-        return "#999999"
-    if kind == "transfer":
-        return "#cccccc"
-    palette = {"generate": "#264653", "infer": "#2a9d8f", "train": "#e76f51",
-               "compute": "#e9c46a"}
-    base = palette.get(operation, "#888888")
-    return base
+OPERATION_COLOURS = {"generate": "#264653", "infer": "#2a9d8f", "train": "#e76f51",
+                     "controller": "#e9c46a", "transition": "#999999", "transfer": "#8d99ae"}
+"""Timeline colours: the GPU operations, work on the controller's CPU (a rule reward, the
+advantage), the actor's train->generate transition and transfers between sets."""
+
+MIN_VISIBLE_FRACTION = 0.006
+"""Transitions and transfers shorter than this share of the iteration are drawn this wide
+(and outlined), so that they can be seen; their seconds are in the trace."""
+
+
+def _legend_kind(event: TimelineEvent) -> str:
+    """The legend entry an event is drawn as (a key of ``OPERATION_COLOURS``)."""
+    if event.kind in ("transition", "transfer"):
+        return event.kind
+    if event.lane == "controller":
+        return "controller"
+    return event.operation
 
 
 def timeline_gantt(events: Sequence[TimelineEvent], path: Path, title: str) -> Path:
     """One row per colocated set (plus controller and network when they are visible at this
-    scale), one bar per operation."""
+    scale), one bar per operation; the legend names only the kinds drawn."""
     end = max((e.end for e in events), default=1.0)
     longest: dict[str, float] = {}
     for event in events:
@@ -81,26 +90,32 @@ def timeline_gantt(events: Sequence[TimelineEvent], path: Path, title: str) -> P
     lanes = [lane for lane in longest
              if lane not in ("controller", "network") or longest[lane] > 0.002 * end]
     events = [e for e in events if e.lane in lanes]
-    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.7 * len(lanes)))
+    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.45 * len(lanes)), layout="constrained")
+    drawn: set[str] = set()
     for event in events:
         row = lanes.index(event.lane)
-        ax.barh(row, event.seconds, left=event.start, height=0.6,
-                color=_operation_colour(event.role, event.operation, event.kind),
-                edgecolor="white", linewidth=0.5)
+        kind = _legend_kind(event)
+        colour = OPERATION_COLOURS.get(kind, "#888888")
+        drawn.add(kind)
+        small = event.kind in ("transition", "transfer") and \
+            event.seconds < MIN_VISIBLE_FRACTION * end
+        ax.barh(row, max(event.seconds, MIN_VISIBLE_FRACTION * end) if small else
+                event.seconds, left=event.start, height=0.6, color=colour,
+                edgecolor="black" if small else "white", linewidth=0.5)
         if event.kind == "compute" and event.seconds > end * 0.04:
             ax.text(event.start + event.seconds / 2, row, f"{event.role}\n{event.operation}",
-                    ha="center", va="center", fontsize=7, color="white")
+                    ha="center", va="center", fontsize=7,
+                    color="black" if kind == "controller" else "white")
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(lanes, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("time (seconds)")
     ax.set_xlim(0, end * 1.01)
     ax.set_title(title, fontsize=10)
-    legend = [Patch(color=colour, label=name) for name, colour in (
-        ("generate", "#264653"), ("infer", "#2a9d8f"), ("train", "#e76f51"),
-        ("controller", "#e9c46a"), ("transition", "#999999"), ("transfer", "#cccccc"))]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.3 /
-              max(len(lanes), 1)), ncol=6, fontsize=8, frameon=False)
+    legend = [Patch(color=colour, label=name) for name, colour in OPERATION_COLOURS.items()
+              if name in drawn]
+    fig.legend(handles=legend, loc="outside lower center", ncol=len(legend), fontsize=8,
+               frameon=False)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
 
