@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import ray
@@ -97,6 +99,18 @@ def run_name(plan_name: str, repeat: int) -> str:
     return f"{plan_name}-r{repeat}"
 
 
+def finished(run_dir: Path) -> bool:
+    """A run directory holding a complete run (its meta.json written at the end, not after an
+    interruption)."""
+    meta = run_dir / "meta.json"
+    if not meta.exists():
+        return False
+    try:
+        return "interrupted" not in json.loads(meta.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "accuracy")
@@ -109,7 +123,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="runs per plan, in interleaved rounds; a plan's time is the "
                              "median over its runs of each run's median iteration")
-    parser.add_argument("--reuse", action="store_true", help="use runs already in --out")
+    parser.add_argument("--reuse", action="store_true",
+                        help="use the runs already in --out and run nothing")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new set: an earlier set in --out is moved aside to "
+                             "OUT-<time> (default: continue it, running only the runs it lacks)")
     parser.add_argument("--fit", default=",".join(FIT),
                         help="comma-separated parameters to fit (default: %(default)s)")
     parser.add_argument("--install", action="store_true",
@@ -118,6 +136,10 @@ def main() -> None:
     args = parser.parse_args()
     plans = grid()
     the_job = job()
+    if args.fresh and args.out.exists():
+        aside = args.out.with_name(f"{args.out.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out.rename(aside)
+        print(f"the earlier set is kept in {aside}", file=sys.stderr)
     if not args.reuse:
         ray.init(num_gpus=3, num_cpus=5, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}})
@@ -132,9 +154,15 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name in order if repeat % 2 == 0 else order[::-1]:
                     p = plans[name][0]
+                    out = args.out / run_name(name, repeat)
+                    if finished(out):
+                        print(f"kept {run_name(name, repeat):<28} (an earlier run; --fresh to "
+                              "start a new set)", file=sys.stderr, flush=True)
+                        continue
+                    if out.exists():  # an interrupted run of an earlier invocation
+                        shutil.rmtree(out)
                     result = execute(the_job, p, ExecutionOptions(
-                        steps=args.steps, seed=repeat, out=args.out / run_name(name, repeat),
-                        reward_warmup_steps=3))
+                        steps=args.steps, seed=repeat, out=out, reward_warmup_steps=3))
                     print(f"ran {run_name(name, repeat):<29} {result.seconds:6.1f} s",
                           file=sys.stderr, flush=True)
         finally:
@@ -195,4 +223,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SpecError as exc:  # a bad --out or a run directory that is not one: one line
+        print(f"accuracy: error: {exc}", file=sys.stderr)
+        sys.exit(2)

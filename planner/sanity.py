@@ -33,9 +33,11 @@ def plan_warnings(best: Evaluated | None) -> list[str]:
     if best.plan.rollout is not None:
         gpus[ROLLOUT_LABEL] = best.plan.rollout.gpus
     fractions = {label: f for label, f in best.simulation.idle_fraction.items() if label in gpus}
-    cluster = sum(group.get("nodes", 1) * group.get("gpus_per_node", 1)
-                  for group in _node_groups(job)) or sum(gpus.values())
     used = sum(gpus[label] for label in fractions)
+    # Paying for the GPUs used (--pay-for used), the others are not the plan's to fill.
+    cluster = used if best.plan.predicted.get("paying_for") == "used" else \
+        sum(group.get("nodes", 1) * group.get("gpus_per_node", 1)
+            for group in _node_groups(job)) or used
     idle = (sum(gpus[label] * f for label, f in fractions.items()) + cluster - used) / cluster
     if idle > MOSTLY_IDLE_FRACTION:
         sets = ", ".join(f"{label} {fraction:.0%}" for label, fraction in fractions.items())
