@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: plan test test-engines engines bench accuracy clean
+.PHONY: plan test test-engines engines bench accuracy docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ bench: $(VENV)/.test-installed
 # Executor runs of a grid of plans (3 repeats each), calibration on some, prediction error on
 # the others; writes runs/accuracy/ only (the shipped profile changes with
 # `benchmarks/accuracy.py --reuse --install`). The last line is the held-out accuracy JSON.
+# The README's command transcripts (<!-- transcript --> blocks) run again; stale lines are
+# rewritten with what the commands print now (tests/test_readme.py fails CI on a stale one).
+docs: $(VENV)/.plan-installed
+	$(BIN)/python -m tests.readme_transcripts --write
+
 accuracy: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/accuracy.py --out runs/accuracy
 
