@@ -15,7 +15,7 @@ from planner.search import (
     SearchStats,
     placement_refusal,
 )
-from planner.space import set_sizes
+from planner.space import SpaceOptions, set_sizes
 from simulator.costs.memory import GIB, MemoryBreakdown
 from simulator.engine import SimulationResult, simulate_estimated
 from simulator.plan import Plan, job_as_planned
@@ -279,19 +279,51 @@ def missed_deadline(job: JobSpec, options: SearchOptions) -> str:
             f"{fastest.iteration_seconds:.2f} s")
 
 
-def minimum_states(job: JobSpec, role: str, gpus: int
+def minimum_states(job: JobSpec, role: str, gpus: int, space: SpaceOptions | None = None
                    ) -> tuple[MemoryBreakdown, MemoryBreakdown] | None:
     """The smallest per-GPU state of ``role`` over its configs on ``gpus`` GPUs: (while it
     runs, between its calls). What a layout keeps in host memory between calls is on the GPU
     during them, so the two differ only where the framework offloads."""
     from planner.space import role_configs
 
-    configs = [p.parallel for p in role_configs(job, role, gpus)]
+    configs = [p.parallel for p in role_configs(job, role, gpus, space or SpaceOptions())]
     if not configs:
         return None
     running = [_while_running(job, role, par) for par in configs]
     resting = [role_state(job, role, par)[0] for par in configs]
     return min(running, key=lambda m: m.total), min(resting, key=lambda m: m.total)
+
+
+def pin_conflict(job: JobSpec, role: str, gpus: int, space: SpaceOptions) -> str:
+    """Why the job's pins of ``role`` leave it no layout on ``gpus`` GPUs: which pin (or
+    which pins together) the framework's space, or the --backend asked for, cannot run; ''
+    when the role has no layout even without its pins."""
+    from planner.space import role_configs
+
+    pin = job.parallel.get(role)
+    pinned = pin.set_fields() if pin else {}
+    if not pinned:
+        return ""
+
+    def runs(without: tuple[str, ...]) -> bool:
+        loose = replace(pin, **dict.fromkeys(without))  # type: ignore[arg-type]
+        return bool(role_configs(replace(job, parallel={**job.parallel, role: loose}), role,
+                                 gpus, space))
+
+    if not runs(tuple(pinned)):
+        return ""
+    where = f"{job.framework_profile.name}'s space" + (
+        f" with --backend {space.backend}" if space.backend not in ("any", "simulated") else "")
+    shown = {name: f"parallel.{role}.{name}: {value}" for name, value in pinned.items()}
+    alone = [name for name in pinned if runs((name,))]
+    if len(alone) == 1:
+        others = ", ".join(v for n, v in shown.items() if n != alone[0])
+        return (f"no layout in {where} runs {role} with {shown[alone[0]]}"
+                + (f" (beside its other pins: {others})" if others else "")
+                + ": remove or change that pin")
+    return (f"no layout in {where} runs {role} with these pins together: "
+            f"{', '.join(shown.values())}; leaving out any one of "
+            f"{', '.join(shown[n] for n in alone) or 'them'} leaves layouts")
 
 
 def _while_running(job: JobSpec, role: str, par: ParallelConfig) -> MemoryBreakdown:
@@ -317,9 +349,13 @@ def explain_infeasible(job: JobSpec, search: Search | None = None,
     usable = cluster.profile().usable_memory_bytes
     parts = []
     states: dict[str, tuple[MemoryBreakdown, MemoryBreakdown]] = {}
+    space = search.options.space if search is not None else SpaceOptions()
     for role in job.gpu_roles:
-        found = minimum_states(job, role, gpus)
+        found = minimum_states(job, role, gpus, space)
         if found is None:
+            conflict = pin_conflict(job, role, gpus, space)
+            if conflict:
+                return conflict
             parts.append(f"{role}: no valid layout on {gpus} GPUs")
             continue
         states[role] = found

@@ -332,3 +332,22 @@ def test_the_accuracy_banner_shows_the_validation_groups_of_the_jobs_kind(tmp_pa
     moe = {g.group for g in groups
            if g.applies_to(mixture_of_experts=True, asynchronous=False)}
     assert moe and all("moe" in name for name in moe)
+
+
+def test_a_refusal_names_the_pin_that_leaves_a_role_no_layout() -> None:
+    """A pin the framework (or the --backend asked for) cannot run is named as such, not
+    reported as a job that does not fit in any allocation."""
+    base = {"algorithm": "grpo", "framework": "verl",
+            "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+            "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 4}}
+    fsdp_only = SearchOptions(space=SpaceOptions(backend="fsdp"))
+    job = job_from_mapping({**base, "parallel": {"actor": {"pp": 2}}})
+    assert plan_job(job).best is not None  # verl's Megatron engine runs pp 2
+    reason = plan_job(job, fsdp_only).infeasible_reason
+    assert reason == ("no layout in verl's space with --backend fsdp runs actor with "
+                      "parallel.actor.pp: 2: remove or change that pin")
+    both = job_from_mapping({**base, "parallel": {"actor": {"pp": 2, "ulysses": 2}}})
+    reason = plan_job(both).infeasible_reason
+    assert reason.startswith("no layout in verl's space runs actor with these pins together: "
+                             "parallel.actor.pp: 2, parallel.actor.ulysses: 2")
