@@ -1297,6 +1297,7 @@ def accuracy(runs: tuple[str, ...], profile_name: str | None, skip: int,
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def validate(as_json: bool) -> None:
     """Compare the cost models with published measurements."""
+    from profiles.datafile import to_mapping
     from simulator.validation import run_validation
 
     table, groups = run_validation()
@@ -1317,11 +1318,23 @@ def validate(as_json: bool) -> None:
                         "gate_max_abs_error_pct": g.gate_max_abs_error_pct,
                         "within_gate": g.within_gate,
                         "assumptions": list(g.assumptions),
-                        "winners": list(g.winners)} for g in groups],
+                        "winners": list(g.winners),
+                        "sample": g.sample_label,
+                        "first_seen": None if g.first_seen is None else
+                        to_mapping(g.first_seen)} for g in groups],
         })
     else:
         click.echo("error = (predicted - measured) / measured; bias = mean error, with what "
                    "its sign means for the group's metric")
+        click.echo("out of sample (first seen, the cases added by a commit that changed no cost "
+                   "model; simulator/data/validation_cases.yaml says how):")
+        for g in groups:
+            seen = g.first_seen
+            if seen is not None and seen.cases_only:
+                click.echo(f"  {g.group:<32} median |error| {seen.median_abs_error_pct:.1f}%, "
+                           f"mean {seen.mean_abs_error_pct:.1f}%, max "
+                           f"{seen.max_abs_error_pct:.1f}% at {seen.commit}; today "
+                           f"{g.sample_label}: median {g.median_abs_error_pct:.1f}%")
         for g in groups:
             rows = table[table["group"] == g.group]
             click.echo(f"\n{g.group}  ({rows['metric'].iloc[0]})")
@@ -1346,6 +1359,13 @@ def validate(as_json: bool) -> None:
                        f"{g.median_abs_error_pct:.2f}%   max |error| "
                        f"{g.max_abs_error_pct:.2f}%   bias {g.bias_pct:+.2f}% ({g.bias_direction})"
                        f"{target}{goal}{gate}")
+            seen = g.first_seen
+            if seen is not None:
+                how = "cases alone" if seen.cases_only else "with cost-model changes"
+                click.echo(f"  first seen at {seen.commit} ({how}): mean |error| "
+                           f"{seen.mean_abs_error_pct:.1f}%   median "
+                           f"{seen.median_abs_error_pct:.1f}%   max {seen.max_abs_error_pct:.1f}%;"
+                           f" today's figure is {g.sample_label}")
             for winner in g.winners:
                 click.echo(f"  faster mode at {winner}")
     if not all(g.passes for g in groups):

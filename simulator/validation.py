@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from profiles.datafile import SpecError, read_mapping
+from profiles.datafile import SpecError, from_mapping, read_mapping
 from profiles.device import load_profile
 from simulator.costs.generation import generate, generation_weight_bytes, workspace_bytes
 from simulator.costs.training import train_step
@@ -30,6 +30,20 @@ from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 
 CASES_FILE = Path(__file__).resolve().parent / "data" / "validation_cases.yaml"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FirstSeen:
+    """A group's error when its cases were added (before any change made for them)."""
+
+    commit: str
+    """The commit that added the cases."""
+    cases: int
+    cases_only: bool
+    """That commit changed no cost model, so its figure is out of sample."""
+    mean_abs_error_pct: float
+    median_abs_error_pct: float
+    max_abs_error_pct: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +71,26 @@ class GroupSummary:
     and the gates, not failing ``validate``."""
     winners: tuple[str, ...] = ()
     """Groups comparing modes: per scale, the faster mode measured and predicted."""
+    first_seen: FirstSeen | None = None
+    """The group's error at the commit that added its cases (validation_cases.yaml)."""
     mixture_of_experts: bool = False
     """The group's models are mixtures of experts."""
     asynchronous: bool = False
     """The group's cases run a rollout set of their own (one_step_off or async)."""
+
+    @property
+    def out_of_sample(self) -> bool:
+        """Today's figure is out of sample: the cases were added by a commit that changed no
+        cost model, and the group's cases and errors are what they were then (any later
+        change may have been made while looking at them)."""
+        seen = self.first_seen
+        return seen is not None and seen.cases_only and seen.cases == self.cases and \
+            abs(seen.mean_abs_error_pct - self.mean_abs_error_pct) <= 0.05 and \
+            abs(seen.max_abs_error_pct - self.max_abs_error_pct) <= 0.05
+
+    @property
+    def sample_label(self) -> str:
+        return "out-of-sample" if self.out_of_sample else "in-sample"
 
     def applies_to(self, *, mixture_of_experts: bool, asynchronous: bool) -> bool:
         """Whether the group says something about a job of this kind: its models dense or
@@ -342,7 +372,10 @@ def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[Gr
             winners=tuple(winners(group_rows)),
             mixture_of_experts=any(_case_model(case).moe is not None
                                    for case in spec["cases"]),
-            asynchronous=any("rollout_gpus" in case for case in spec["cases"])))
+            asynchronous=any("rollout_gpus" in case for case in spec["cases"]),
+            first_seen=None if "first_seen" not in spec else from_mapping(
+                FirstSeen, spec["first_seen"], source=str(cases_file),
+                key_prefix=f"{group}.first_seen")))
     return pd.DataFrame(rows), summaries
 
 

@@ -241,3 +241,23 @@ def test_validate_compares_every_verl_mode_and_names_the_winner_per_scale():
     assert "measured one_step_off" in group.winners[0]
     one_step = rows[rows["mode"] == "one_step_off"].iloc[0]
     assert one_step["predicted"] > 0 and one_step["measured"] == 520
+
+
+def test_every_validation_group_records_its_first_seen_error_and_sample_label() -> None:
+    """Each group carries the error it had when its cases were added; a group is out of
+    sample today only if its cases came alone and its errors have not moved since."""
+    from dataclasses import replace
+
+    from simulator.validation import run_validation
+
+    _, groups = run_validation()
+    assert all(g.first_seen is not None for g in groups)
+    alone = {g.group for g in groups if g.first_seen.cases_only}
+    assert alone == {"verl_async_modes_h20", "megatron_bridge_moe_h100_bf16",
+                     "nemo_rl_grpo_moe_h100_step"}
+    verl = next(g for g in groups if g.group == "verl_async_modes_h20")
+    assert verl.sample_label == "in-sample"  # the kl: none change moved it
+    unchanged = replace(verl, mean_abs_error_pct=verl.first_seen.mean_abs_error_pct,
+                        max_abs_error_pct=verl.first_seen.max_abs_error_pct,
+                        cases=verl.first_seen.cases)
+    assert unchanged.sample_label == "out-of-sample"
