@@ -143,9 +143,11 @@ def load_run(directory: str | Path) -> Run:
     if not isinstance(task, dict):
         raise SpecError(f"expected a mapping, got {type(task).__name__}", key="options.task",
                         source=str(meta_path))
-    # The built-in task's prompts are BOS, its digits and SEP; the user's data's come from
-    # each iteration's measured prompt tokens.
+    # The built-in task's prompts are BOS, its digits and SEP; the user's data's (meta.json's
+    # "data", or the options' task in runs written before 2026-11-27) come from each
+    # iteration's measured prompt tokens.
     prompt_length = int(task.get("digits", 3)) + 2
+    user_data = "data" in meta or "data" in task
     rows = _read_csv(path / "measurements.csv", MEASUREMENT_FIELDS,
                      optional=("compute_seconds",))
     measurements = pd.DataFrame(rows)
@@ -155,7 +157,7 @@ def load_run(directory: str | Path) -> Run:
     greedy: dict[int, dict[int, int]] = {}
     prompts: dict[int, int] = {}
     for line, row in enumerate(metrics, start=2):
-        if "data" in task and row.get("prompt_tokens"):
+        if user_data and row.get("prompt_tokens"):
             try:
                 prompts[row["iteration"]] = max(1, round(float(row["prompt_tokens"])))
             except ValueError:
