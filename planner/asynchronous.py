@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from planner.search import Search, SearchOptions, placement_refusal
+from planner.search import Candidate, Search, SearchOptions, placement_refusal
 from planner.space import powers_of_two
 from profiles.datafile import SpecError
 from simulator.asynchronous import steady_step_seconds
@@ -71,19 +71,27 @@ def rollout_layouts(job: JobSpec, gpus: int) -> list[GenerationConfig]:
     return out
 
 
-def search_async(job: JobSpec, mode: Mode, staleness: int,
-                 options: SearchOptions | None = None,
-                 top_k: int = 5) -> list[AsyncCandidate]:
-    """The best ``mode`` plans (staleness ``staleness``) by steady-state step, best first."""
+@dataclass(frozen=True, slots=True)
+class TrainerSide:
+    """The trainer's best placements beside a rollout set of ``rollout_gpus``."""
+
+    rollout_gpus: int
+    job: JobSpec
+    """The job on the trainer's GPUs (generation elsewhere)."""
+    ranking: tuple[Candidate, ...]
+
+
+def trainer_sides(job: JobSpec, options: SearchOptions | None = None) -> list[TrainerSide]:
+    """For each rollout size, the trainer's search on the GPUs left. It does not depend on the
+    asynchronous mode (only the plan built around it does), so ``compare_modes`` runs it once
+    for one_step_off and async."""
     if not job.cluster.is_homogeneous:
         raise SpecError("asynchronous modes are planned on one node group; plan the mixed "
                         "cluster with mode: sync", key="mode")
     options = options or SearchOptions()
-    partial_rollout = job.partial_rollout and mode == "async"
     total = job.cluster.total_gpus
-    gpn = job.cluster.gpus_per_node
-    found: list[AsyncCandidate] = []
-    for rollout_gpus in rollout_sizes(total, gpn):
+    out = []
+    for rollout_gpus in rollout_sizes(total, job.cluster.gpus_per_node):
         trainer_cluster = job.cluster.with_total_gpus(total - rollout_gpus)
         trainer_job = replace(job, cluster=trainer_cluster, generation_elsewhere=True)
         trainer_options = options
@@ -97,9 +105,28 @@ def search_async(job: JobSpec, mode: Mode, staleness: int,
                 continue
             trainer_options = replace(options, placements=kept)
         result = Search(trainer_job, trainer_options).run(top_k=TRAINER_FINALISTS)
+        out.append(TrainerSide(rollout_gpus=rollout_gpus, job=trainer_job,
+                               ranking=tuple(result.ranking)))
+    return out
+
+
+def search_async(job: JobSpec, mode: Mode, staleness: int,
+                 options: SearchOptions | None = None,
+                 top_k: int = 5, trainers: list[TrainerSide] | None = None
+                 ) -> list[AsyncCandidate]:
+    """The best ``mode`` plans (staleness ``staleness``) by steady-state step, best first
+    (``trainers``: ``trainer_sides`` already searched for this job and options)."""
+    if trainers is None:
+        trainers = trainer_sides(job, options)
+    partial_rollout = job.partial_rollout and mode == "async"
+    total = job.cluster.total_gpus
+    gpn = job.cluster.gpus_per_node
+    found: list[AsyncCandidate] = []
+    for side in trainers:
+        rollout_gpus, trainer_job = side.rollout_gpus, side.job
         layouts = rollout_layouts(job, rollout_gpus)
         whole_nodes = job.framework_profile.space.whole_node_split and total > gpn
-        for candidate in result.ranking:
+        for candidate in side.ranking:
             trainer_plan = candidate.to_plan(trainer_job)
             if whole_nodes and trainer_plan.total_gpus % gpn:
                 continue

@@ -219,19 +219,22 @@ def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | N
     """The best plan of each mode side by side: sync-colocate (all models on all GPUs), the
     searched sync plan, one_step_off and async (the job's staleness bound, or 1) on the best
     split into trainer and rollout GPUs."""
-    from planner.asynchronous import search_async
+    from planner.asynchronous import search_async, trainer_sides
 
     allowed = {mode for mode, _ in job.allowed_modes}
     out = [ModeOutcome(name="sync-colocate", staleness=0, allowed="sync" in allowed,
                        result=colocate, reason="" if colocate else "does not fit"),
            ModeOutcome(name="sync", staleness=0, allowed="sync" in allowed, result=best_sync,
                        reason="" if best_sync else "no synchronous plan fits")]
+    trainers = None  # the trainer's searches, shared by one_step_off and async
     for mode, staleness in comparison_modes(job.mode, job.max_staleness):
         if mode == "sync":
             continue
         if "actor" not in job.dataflow.trained_roles:
             continue
-        found = search_async(job, mode, staleness, options, top_k=1)
+        if trainers is None:
+            trainers = trainer_sides(job, options)
+        found = search_async(job, mode, staleness, options, top_k=1, trainers=trainers)
         result = evaluate(job, None, mode, plan=found[0].plan, ranking=options.ranking) \
             if found else None
         out.append(ModeOutcome(

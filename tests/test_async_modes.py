@@ -261,3 +261,17 @@ def test_every_validation_group_records_its_first_seen_error_and_sample_label() 
                         max_abs_error_pct=verl.first_seen.max_abs_error_pct,
                         cases=verl.first_seen.cases)
     assert unchanged.sample_label == "out-of-sample"
+
+
+def test_one_trainer_search_serves_both_asynchronous_modes():
+    """The trainer's side of a split does not depend on the mode: plan searches it once for
+    one_step_off and async, with the same plans as a search per mode."""
+    from planner.asynchronous import trainer_sides
+
+    job = _long_tail_job()
+    shared = trainer_sides(job)
+    for mode in ("one_step_off", "async"):
+        alone = search_async(job, mode, 1, top_k=3)  # type: ignore[arg-type]
+        reused = search_async(job, mode, 1, top_k=3, trainers=shared)  # type: ignore[arg-type]
+        assert [c.plan.to_value() for c in reused] == [c.plan.to_value() for c in alone]
+        assert [c.step_seconds for c in reused] == [c.step_seconds for c in alone]
