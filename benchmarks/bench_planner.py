@@ -12,9 +12,13 @@ For reference, HybridFlow reports its search takes up to half an hour (§8.5), a
 
 from __future__ import annotations
 
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from planner.search import Search, SearchOptions
 from simulator.costs.generation import decode, prefill_seconds
@@ -124,6 +128,37 @@ def main() -> None:
           f"{growth[0]:.2f} s -> {growth[-1]:.2f} s ({growth[-1] / growth[0]:.1f}x for 64x "
           "the sequences)")
     print(f"  (issue 3: <= 60 s for 1,024 GPUs: {worst[1024]:.2f} s)")
+
+    command = plan_command_seconds()
+    print("\nPart 3: `hybridflow plan` as a user runs it (whole process: start-up, every mode, "
+          "the report files), PPO 4 x Llama-2-70B on 16 x 8 A100, one 200 Gb/s NIC per GPU")
+    print(f"  median of {len(command)} runs {statistics.median(command):.2f} s "
+          f"(min {min(command):.2f}, max {max(command):.2f}); goal (issue 30) <= 2 s -> "
+          f"{'met' if statistics.median(command) <= 2 else 'MISSED'}")
+
+
+PLAN_JOB_128 = """algorithm: ppo
+models: {actor: llama2-70b, critic: llama2-70b, ref: llama2-70b, reward: llama2-70b}
+cluster: {nodes: 16, gpus_per_node: 8, device: a100-80gb, inter_node_bandwidth_gbps: 200}
+workload: {prompts_per_iteration: 1024, prompt_length: 1024, response_length: 1024,
+           mini_batches_per_epoch: 8}
+"""
+
+
+def plan_command_seconds(runs: int = 5) -> list[float]:
+    """Wall seconds of whole `python -m planner plan` processes (after one warm-up run)."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.yaml"
+        job.write_text(PLAN_JOB_128, encoding="utf-8")
+        for i in range(runs + 1):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "planner", "plan", "--config", str(job),
+                            "--out", str(Path(tmp) / "report")], check=True,
+                           capture_output=True)
+            if i:
+                out.append(time.perf_counter() - started)
+    return out
 
 
 if __name__ == "__main__":
