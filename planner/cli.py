@@ -636,7 +636,7 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
     progress.close()
     from planner.sanity import plan_warnings
 
-    warnings = plan_warnings(result.best)
+    warnings = plan_warnings(result.job, result.best)
     for warning in warnings:
         click.echo(f"hybridflow: warning: {warning}", err=True)
     files = write_plan_report(result, out)

@@ -294,13 +294,14 @@ def test_plans_worth_a_second_look_get_a_warning() -> None:
     many) or when most of the cluster's GPU time is idle; the default job gets neither."""
     from planner.sanity import plan_warnings
 
-    assert plan_warnings(plan_job(default_job()).best) == []
+    assert plan_warnings(default_job(), plan_job(default_job()).best) == []
     rule = {"algorithm": "grpo", "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b",
                                             "reward": "rule"},
             "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
             "workload": {"prompts_per_iteration": 20000, "samples_per_prompt": 8,
                          "prompt_length": 512, "response_length": 1024}}
-    [long] = plan_warnings(plan_job(job_from_mapping(rule)).best)
+    long_job = job_from_mapping(rule)
+    [long] = plan_warnings(long_job, plan_job(long_job).best)
     assert "an iteration takes" in long and "hours" in long
     assert "workload.prompts_per_iteration (20000)" in long
     small = {**rule, "models": {"actor": "qwen2.5-0.5b", "ref": "qwen2.5-0.5b",
@@ -308,7 +309,8 @@ def test_plans_worth_a_second_look_get_a_warning() -> None:
              "cluster": {"nodes": 4, "gpus_per_node": 8, "device": "h100-80gb"},
              "workload": {"prompts_per_iteration": 8, "samples_per_prompt": 4,
                           "prompt_length": 64, "response_length": 64}}
-    [idle] = plan_warnings(plan_job(job_from_mapping(small)).best)
+    small_job = job_from_mapping(small)
+    [idle] = plan_warnings(small_job, plan_job(small_job).best)
     assert "GPUs are idle" in idle and "of the 32 GPUs hold no model" in idle
 
 
