@@ -1300,7 +1300,7 @@ def validate(as_json: bool) -> None:
     from profiles.datafile import to_mapping
     from simulator.validation import run_validation
 
-    table, groups = run_validation()
+    table, groups = run_validation(bands=True)
     if as_json:
         _emit_json({
             "cases": table.to_dict(orient="records"),
@@ -1321,7 +1321,8 @@ def validate(as_json: bool) -> None:
                         "winners": list(g.winners),
                         "sample": g.sample_label,
                         "first_seen": None if g.first_seen is None else
-                        to_mapping(g.first_seen)} for g in groups],
+                        to_mapping(g.first_seen),
+                        "bands": [to_mapping(b) for b in g.bands]} for g in groups],
         })
     else:
         click.echo("error = (predicted - measured) / measured; bias = mean error, with what "
@@ -1368,8 +1369,28 @@ def validate(as_json: bool) -> None:
                            f" today's figure is {g.sample_label}")
             for winner in g.winners:
                 click.echo(f"  faster mode at {winner}")
+            _echo_bands(g)
     if not all(g.passes for g in groups):
         sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def _echo_bands(group) -> None:
+    """A group's error over each assumed input's plausible range (validation_bands)."""
+    if not group.bands:
+        return
+    click.echo("  assumption bands (median |error| at each value; the other bands nominal):")
+    for band in group.bands:
+        values = ", ".join(f"{p.value or p.setting} {p.median_abs_error_pct:.1f}%"
+                           for p in band.points)
+        low, high = band.median_range
+        max_low, max_high = band.max_range
+        goal = f"; goal {band.goal}" if band.goal else ""
+        where = f" ({band.key})" if band.key else ""
+        click.echo(f"    {band.band}{where}: median {low:.1f}-{high:.1f}%, max "
+                   f"{max_low:.1f}-{max_high:.1f}%{goal}")
+        if band.key:
+            click.echo(f"      at {values}")
+            click.echo(f"      why this range: {' '.join(band.reason.split())}")
 
 
 # ----------------------------------------------------------------------------------------------

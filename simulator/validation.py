@@ -28,6 +28,13 @@ from simulator.costs.generation import generate, generation_weight_bytes, worksp
 from simulator.costs.training import train_step
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
+from simulator.validation_bands import (
+    BandPoint,
+    BandResult,
+    band_results,
+    read_bands,
+    summary_point,
+)
 
 CASES_FILE = Path(__file__).resolve().parent / "data" / "validation_cases.yaml"
 
@@ -77,6 +84,8 @@ class GroupSummary:
     """The group's models are mixtures of experts."""
     asynchronous: bool = False
     """The group's cases run a rollout set of their own (one_step_off or async)."""
+    bands: tuple[BandResult, ...] = ()
+    """The group's error over each assumed input's plausible range (``bands:``)."""
 
     @property
     def out_of_sample(self) -> bool:
@@ -292,7 +301,8 @@ def winners(rows: list[dict]) -> list[str]:
     return out
 
 
-def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
+def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
+                    stages: bool = True) -> list[dict]:
     """Whole RLHF iterations: each case is a job (with its framework and every parallel setting
     pinned), colocated on all its GPUs as the source ran it, simulated for one iteration. A
     case with ``stages`` adds one row per published stage timer (``stage_parts`` of the group
@@ -317,7 +327,7 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
                      "measured": float(case["measured"]),
                      "predicted": result.iteration_seconds, "stage": "",
                      "scale": case.get("scale"), "mode": plan.mode})
-        if not case.get("stages"):
+        if not stages or not case.get("stages"):
             continue
         estimate = estimate_plan(job_as_planned(job, plan), plan)
         for stage, measured in case["stages"].items():
@@ -331,23 +341,37 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path) -> list[dict]:
     return rows
 
 
-def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[GroupSummary]]:
-    """Every case's measurement, prediction and error, and a summary per group."""
+def _group_rows(group: str, spec: dict, cases_file: Path, *, stages: bool = True) -> list[dict]:
+    """The group's rows (measured, predicted, signed error in percent); ``stages=False``
+    leaves out the published stage timers of whole-step cases."""
+    if spec.get("kind") == "rlhf_step":
+        rows = _rlhf_step_rows(group, spec, cases_file, stages=stages)
+    elif "metric" in spec and spec.get("kind") != "training":
+        rows = _generation_rows(group, spec)
+    else:
+        rows = _training_rows(group, spec)
+    for row in rows:
+        row["error_pct"] = 100.0 * (row["predicted"] - row["measured"]) / row["measured"]
+        row.setdefault("stage", "")
+    return rows
+
+
+def _whole_step_errors(rows: list[dict]) -> list[float]:
+    return [r["error_pct"] for r in rows if not r["stage"]]
+
+
+def run_validation(cases_file: Path = CASES_FILE, *,
+                   bands: bool = False) -> tuple[pd.DataFrame, list[GroupSummary]]:
+    """Every case's measurement, prediction and error, and a summary per group; with
+    ``bands``, also the group's error over each assumption band (each band prices the group
+    again at each of its values)."""
     data = read_mapping(cases_file)
     rows: list[dict] = []
     summaries: list[GroupSummary] = []
     for group, spec in data.items():
-        if spec.get("kind") == "rlhf_step":
-            group_rows = _rlhf_step_rows(group, spec, cases_file)
-        elif "metric" in spec and spec.get("kind") != "training":
-            group_rows = _generation_rows(group, spec)
-        else:
-            group_rows = _training_rows(group, spec)
-        for row in group_rows:
-            row["error_pct"] = 100.0 * (row["predicted"] - row["measured"]) / row["measured"]
-            row.setdefault("stage", "")
+        group_rows = _group_rows(group, spec, cases_file)
         rows.extend(group_rows)
-        signed = [r["error_pct"] for r in group_rows if not r["stage"]]
+        signed = _whole_step_errors(group_rows)
         errors = [abs(e) for e in signed]
         for key in ("gate_mean_abs_error_pct", "gate_max_abs_error_pct"):
             if not isinstance(spec.get(key), (int, float)):
@@ -375,8 +399,32 @@ def run_validation(cases_file: Path = CASES_FILE) -> tuple[pd.DataFrame, list[Gr
             asynchronous=any("rollout_gpus" in case for case in spec["cases"]),
             first_seen=None if "first_seen" not in spec else from_mapping(
                 FirstSeen, spec["first_seen"], source=str(cases_file),
-                key_prefix=f"{group}.first_seen")))
+                key_prefix=f"{group}.first_seen"),
+            bands=_bands(group, spec, cases_file, signed) if bands else ()))
     return pd.DataFrame(rows), summaries
+
+
+def _bands(group: str, spec: dict, cases_file: Path,
+           signed: list[float]) -> tuple[BandResult, ...]:
+    """The group's error over each of its assumption bands, and over all of them together."""
+    bands = read_bands(spec, group, str(cases_file))
+    goal_median = spec.get("goal_median_abs_error_pct")
+    target_max = spec.get("target_max_abs_error_pct")
+    goal = None
+    if goal_median is not None:
+        def goal(point: BandPoint) -> bool:
+            return point.median_abs_error_pct <= goal_median
+    elif target_max is not None:
+        def goal(point: BandPoint) -> bool:
+            return point.max_abs_error_pct <= target_max
+    try:
+        return band_results(
+            spec, bands,
+            lambda variant: _whole_step_errors(_group_rows(group, variant, cases_file,
+                                                           stages=False)),
+            goal=goal, nominal=summary_point("nominal", signed))
+    except SpecError as exc:
+        raise (exc if exc.source else exc.within(f"{group}.bands", str(cases_file))) from None
 
 
 def _case_model(case: dict):

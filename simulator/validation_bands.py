@@ -1,0 +1,297 @@
+"""Assumption bands of the validation cases: a group's error over each assumed input's
+plausible range (``bands:`` of a group in ``simulator/data/validation_cases.yaml``).
+
+A band names one input that the source does not publish (a prompt length, a response-length
+mean, the driver's pickling rate, a per-step host cost), where it lives, the values it may
+plausibly take and why. ``validate`` prices the group again at each value, one band at a time
+with the others at their nominal value, and at every corner of all the bands together, and says
+whether the group's goal holds across the band (its nominal point included), in part of it
+(naming where), or nowhere in it.
+
+Where a band points:
+- ``job.<path>``: a key of each case's job (``job.workload.prompt_length``);
+- ``case.<path>``: a key of each case itself (a generation case's ``prompt``);
+- ``framework.<path>``: a setting of the framework profile each case's job names
+  (``framework.controller.serialize_bytes_per_s``), applied as a profile whose ``base:`` is the
+  case's own;
+- ``device.<path>``: a field of the device profile (``device.overheads.decode_step_seconds``),
+  applied as an in-memory copy of the case's profile.
+
+The values are either absolute (``values: [low, high]``) or multiples of each case's own value
+(``factors: [low, high]``). The errors are taken at the listed values only: between them the
+group's error is not computed (it moves smoothly with these inputs in every band written so
+far, but nothing here checks that).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from profiles.datafile import SpecError, from_mapping
+
+PLACES = ("job", "case", "framework", "device")
+"""Where a band's key may point (the first part of its dotted key)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Band:
+    """One assumed input of a group's cases and its plausible range."""
+
+    input: str
+    """What is assumed, in words (``mean response length``)."""
+    key: str
+    """Where it lives: ``job.``, ``case.``, ``framework.`` or ``device.`` and a dotted path."""
+    reason: str
+    """Why the range is plausible, with its sources."""
+    values: tuple[Any, ...] = ()
+    """The plausible values (absolute), usually its two ends."""
+    factors: tuple[float, ...] = ()
+    """Or: the plausible values as multiples of each case's own value."""
+    cases: tuple[str, ...] = ()
+    """The case names the band applies to (empty: every case of the group)."""
+
+    def __post_init__(self) -> None:
+        place, _, path = self.key.partition(".")
+        if place not in PLACES or not path:
+            raise SpecError(f"expected one of {', '.join(p + '.<path>' for p in PLACES)}, "
+                            f"got {self.key!r}", key="key")
+        if bool(self.values) == bool(self.factors):
+            raise SpecError("give either values (absolute) or factors (of each case's own "
+                            "value), not both and not neither", key="values")
+        if any(not isinstance(f, (int, float)) or f <= 0 for f in self.factors):
+            raise SpecError(f"factors are positive numbers, got {list(self.factors)}",
+                            key="factors")
+
+    @property
+    def place(self) -> str:
+        return self.key.partition(".")[0]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.key.partition(".")[2].split("."))
+
+    @property
+    def points(self) -> tuple[Any, ...]:
+        return self.values or self.factors
+
+    def describe_point(self, point: Any) -> str:
+        return f"x{point:g}" if self.factors else _short(point)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BandPoint:
+    """The group's error with one setting of its bands."""
+
+    setting: str
+    """The band values priced, in words (``mean response length x0.5``)."""
+    value: str = ""
+    """A single band's value priced (``x0.5``; empty for corners and the nominal point)."""
+    median_abs_error_pct: float
+    mean_abs_error_pct: float
+    max_abs_error_pct: float
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BandResult:
+    """A band (or all of a group's bands together) and the group's error over it."""
+
+    band: str
+    """The band's input (or 'all bands together')."""
+    key: str
+    reason: str
+    points: tuple[BandPoint, ...]
+    goal: str | None = None
+    """For a group with a goal or target: whether it holds at every point priced ('holds
+    across the band'), at some ('holds in part of the band only (at ...)', naming them) or
+    at none ('holds nowhere in the band'); the nominal point is one of them."""
+
+    @property
+    def median_range(self) -> tuple[float, float]:
+        medians = [p.median_abs_error_pct for p in self.points]
+        return min(medians), max(medians)
+
+    @property
+    def max_range(self) -> tuple[float, float]:
+        maxima = [p.max_abs_error_pct for p in self.points]
+        return min(maxima), max(maxima)
+
+
+def read_bands(spec: Mapping, group: str, source: str) -> tuple[Band, ...]:
+    raw = spec.get("bands", [])
+    if not isinstance(raw, list):
+        raise SpecError("expected a list of bands", key=f"{group}.bands", source=source)
+    bands = []
+    for i, item in enumerate(raw):
+        if isinstance(item, Mapping):
+            item = {k: tuple(v) if isinstance(v, list) else v for k, v in item.items()}
+        band = from_mapping(Band, item, source=source, key_prefix=f"{group}.bands[{i}]")
+        names = {c.get("name") for c in spec.get("cases", [])}
+        unknown = [c for c in band.cases if c not in names]
+        if unknown:
+            raise SpecError(f"no case named {unknown[0]!r} in the group",
+                            key=f"{group}.bands[{i}].cases", source=source)
+        bands.append(band)
+    return tuple(bands)
+
+
+def band_results(spec: Mapping, bands: Sequence[Band],
+                 errors_of: Callable[[dict], list[float]], *,
+                 goal: Callable[[BandPoint], bool] | None,
+                 nominal: BandPoint) -> tuple[BandResult, ...]:
+    """The group priced at each band's values (the others nominal), then at every corner of
+    all bands together, each with the ``nominal`` point; ``errors_of`` prices a group spec
+    and returns its whole-step signed errors in percent; ``goal`` says whether one point meets
+    the group's goal."""
+    if not bands:
+        return ()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="hybridflow-bands-") as scratch:
+        def point(setting: Sequence[tuple[Band, Any]]) -> BandPoint:
+            variant = copy.deepcopy(dict(spec))
+            for band, value in setting:
+                _apply(variant, band, value, Path(scratch))
+            described = [(b.input, b.describe_point(v)) for b, v in setting]
+            return summary_point(", ".join(f"{name} {value}" for name, value in described),
+                                 errors_of(variant),
+                                 value=described[0][1] if len(described) == 1 else "")
+
+        for band in bands:
+            points = (nominal, *(point([(band, value)]) for value in band.points))
+            results.append(BandResult(band=band.input, key=band.key, reason=band.reason,
+                                      points=points, goal=_verdict(points, goal)))
+        if len(bands) > 1:
+            corners = tuple(point(list(zip(bands, values, strict=True)))
+                            for values in itertools.product(*(b.points for b in bands)))
+            results.append(BandResult(band="all bands together", key="",
+                                      reason="every corner of the bands above",
+                                      points=(nominal, *corners),
+                                      goal=_verdict((nominal, *corners), goal)))
+    return tuple(results)
+
+
+def summary_point(setting: str, signed_errors: Sequence[float], *,
+                  value: str = "") -> BandPoint:
+    """The median, mean and max |error| of one setting from its signed errors (percent)."""
+    errors = [abs(e) for e in signed_errors]
+    return BandPoint(setting=setting, value=value,
+                     median_abs_error_pct=float(statistics.median(errors)),
+                     mean_abs_error_pct=sum(errors) / len(errors),
+                     max_abs_error_pct=max(errors))
+
+
+def _verdict(points: Sequence[BandPoint],
+             goal: Callable[[BandPoint], bool] | None) -> str | None:
+    if goal is None:
+        return None
+    held = [p for p in points if goal(p)]
+    if len(held) == len(points):
+        return "holds across the band"
+    if not held:
+        return "holds nowhere in the band"
+    return "holds in part of the band only (at " + \
+        ", ".join(p.value or p.setting for p in held) + ")"
+
+
+def _apply(spec: dict, band: Band, value: Any, scratch: Path) -> None:
+    """Set ``band`` to ``value`` (or multiply by it) in every case of ``spec`` it covers."""
+    for case in _cases(spec, band):
+        if band.place in ("job", "case"):
+            target = case["job"] if band.place == "job" else case
+            _set(target, band.path, value, factor=bool(band.factors), key=band.key)
+        elif band.place == "framework":
+            job = case["job"]
+            job["framework"] = _framework_variant(job.get("framework", "verl"), band, value,
+                                                  scratch)
+        else:
+            _set_device(spec, case, band, value)
+
+
+def _cases(spec: dict, band: Band) -> Iterator[dict]:
+    for case in spec["cases"]:
+        if not band.cases or case.get("name") in band.cases:
+            yield case
+
+
+def _set(mapping: dict, path: Sequence[str], value: Any, *, factor: bool, key: str) -> None:
+    for part in path[:-1]:
+        if not isinstance(mapping.get(part), dict):
+            raise SpecError(f"the case has no mapping {part!r} on the way to this key",
+                            key=key)
+        mapping = mapping[part]
+    leaf = path[-1]
+    if factor:
+        if not isinstance(mapping.get(leaf), (int, float)):
+            raise SpecError("factors need a number in every case at this key", key=key)
+        old = mapping[leaf]
+        mapping[leaf] = type(old)(round(old * value)) if isinstance(old, int) else old * value
+    else:
+        mapping[leaf] = value
+
+
+def _framework_variant(framework: str, band: Band, value: Any, scratch: Path) -> str:
+    """A framework profile file: ``framework`` with the band's setting changed."""
+    from profiles.framework import load_framework
+
+    if band.factors:
+        old = _get(load_framework(framework), band.path, band.key)
+        value = old * value
+    settings: dict[str, Any] = {}
+    inner = settings
+    for part in band.path[:-1]:
+        inner = inner.setdefault(part, {})
+    inner[band.path[-1]] = value
+    base = framework if not framework.endswith((".yaml", ".yml")) else \
+        str(Path(framework).resolve())
+    out = scratch / f"variant-{len(list(scratch.iterdir()))}.yaml"
+    out.write_text(yaml.safe_dump({"base": base, **settings}, sort_keys=False))
+    return str(out)
+
+
+def _set_device(spec: dict, case: dict, band: Band, value: Any) -> None:
+    """Point the case (or the group, for cases without a job) at an in-memory copy of its
+    device profile with the band's field changed."""
+    from profiles.device import load_profile, register_profile
+
+    def variant(name: str) -> str:
+        profile = load_profile(name)
+        new = value * _get(profile, band.path, band.key) if band.factors else value
+        return register_profile(_replaced(profile, band.path, new))
+
+    if "job" not in case:
+        spec["device"] = variant(spec["device"])
+        return
+    cluster = case["job"]["cluster"]
+    for group in cluster.get("node_groups", [cluster]):
+        group["device"] = variant(group.get("device", "a100-80gb"))
+
+
+def _get(obj: Any, path: Sequence[str], key: str) -> Any:
+    for part in path:
+        if not hasattr(obj, part):
+            raise SpecError(f"the profile has no field {part!r}", key=key)
+        obj = getattr(obj, part)
+    return obj
+
+
+def _replaced(obj: Any, path: Sequence[str], value: Any) -> Any:
+    if len(path) == 1:
+        return replace(obj, **{path[0]: value})
+    return replace(obj, **{path[0]: _replaced(getattr(obj, path[0]), path[1:], value)})
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items()) + "}"
+    return str(value)
+

@@ -1,0 +1,121 @@
+"""Assumption bands of validation groups (simulator/validation_bands.py): the group is priced
+again at each value of each band, the goal is judged over the band, and a bad band is refused
+with its key named."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from profiles.datafile import SpecError
+from simulator.validation import CASES_FILE, run_validation
+
+LATENCY_GROUP = {
+    "source": "a test group",
+    "gate_mean_abs_error_pct": 1000, "gate_max_abs_error_pct": 1000,
+    "device": "a100-80gb", "dtype": "fp16", "metric": "latency_ms",
+    # Measured far below any prediction: every error is positive, so |error| grows with the
+    # predicted latency.
+    "cases": [{"model": "gpt-6.7b", "tp": 1, "batch": 16, "prompt": 512, "response": 32,
+               "measured": 100.0}],
+}
+
+
+def _write(tmp_path: Path, groups: dict) -> Path:
+    path = tmp_path / "cases.yaml"
+    path.write_text(yaml.safe_dump(groups, sort_keys=False))
+    return path
+
+
+def _group(tmp_path: Path, spec: dict):
+    _, groups = run_validation(_write(tmp_path, {"g": spec}), bands=True)
+    return groups[0]
+
+
+def test_a_factor_band_prices_each_case_at_each_multiple(tmp_path: Path) -> None:
+    spec = {**LATENCY_GROUP, "bands": [
+        {"input": "prompt length", "key": "case.prompt", "factors": [0.5, 2.0],
+         "reason": "a test"}]}
+    group = _group(tmp_path, spec)
+    (band,) = group.bands
+    nominal, short, long = band.points
+    assert (nominal.setting, short.value, long.value) == ("nominal", "x0.5", "x2")
+    # Longer prompts take longer to prefill: the latency (and its error) rises.
+    assert short.median_abs_error_pct < group.median_abs_error_pct < long.median_abs_error_pct
+    assert band.goal is None  # the group has no goal
+
+
+def test_a_device_band_changes_the_profile_field_it_names(tmp_path: Path) -> None:
+    spec = {**LATENCY_GROUP, "goal_median_abs_error_pct": 0, "bands": [
+        {"input": "host work per decode step", "key": "device.overheads.decode_step_seconds",
+         "values": [0.0, 0.01], "reason": "a test"}]}
+    group = _group(tmp_path, spec)
+    _, none, ten_ms = group.bands[0].points
+    # 32 decode steps of 10 ms each: 320 ms more, over a 100 ms measurement.
+    assert ten_ms.median_abs_error_pct - none.median_abs_error_pct == pytest.approx(320, rel=0.1)
+    assert group.bands[0].goal == "holds nowhere in the band"
+
+
+def test_the_goal_is_judged_at_each_end_and_at_every_corner(tmp_path: Path) -> None:
+    nominal = _group(tmp_path, LATENCY_GROUP).median_abs_error_pct
+    spec = {**LATENCY_GROUP, "goal_median_abs_error_pct": nominal + 1, "bands": [
+        {"input": "prompt length", "key": "case.prompt", "factors": [0.5, 2.0],
+         "reason": "a test"},
+        {"input": "response length", "key": "case.response", "values": [16, 32],
+         "reason": "a test"}]}
+    group = _group(tmp_path, spec)
+    prompt, response, together = group.bands
+    # The nominal point and the shorter prompt meet it, the longer one does not.
+    assert prompt.goal == "holds in part of the band only (at nominal, x0.5)"
+    assert response.goal == "holds across the band"  # 16 and 32 (nominal) output tokens
+    assert together.band == "all bands together"
+    assert len(together.points) == 1 + 2 * 2       # nominal and four corners
+    assert together.goal.startswith("holds in part of the band only (at nominal, prompt "
+                                    "length x0.5, response length 16")
+
+
+def test_a_framework_band_prices_the_framework_setting_it_names(tmp_path: Path) -> None:
+    """The driver's pickling rate of NeMo-RL: a slower rate makes the priced step longer."""
+    shipped = yaml.safe_load(CASES_FILE.read_text())["nemo_rl_grpo_h100_step"]
+    spec = copy.deepcopy(shipped)
+    spec["cases"] = spec["cases"][:1]
+    spec["bands"] = [{"input": "pickling rate", "values": [1.0e8, 1.0e10], "reason": "a test",
+                      "key": "framework.controller.serialize_bytes_per_s"}]
+    group = _group(tmp_path, spec)
+    _, slow, fast = group.bands[0].points
+    assert group.bias_pct < 0  # the case is priced too fast: a slower rate narrows the gap
+    assert slow.median_abs_error_pct < group.median_abs_error_pct < fast.median_abs_error_pct
+
+
+@pytest.mark.parametrize("band, key", [
+    ({"input": "x", "key": "nowhere.prompt", "factors": [2.0], "reason": "r"},
+     "g.bands[0].key"),
+    ({"input": "x", "key": "case.prompt", "reason": "r"}, "g.bands[0].values"),
+    ({"input": "x", "key": "case.prompt", "factors": [2.0], "reason": "r", "cases": ["no"]},
+     "g.bands[0].cases"),
+    ({"input": "x", "key": "case.nested.prompt", "factors": [2.0], "reason": "r"},
+     "g.bands.case.nested.prompt"),
+])
+def test_a_bad_band_is_refused_with_its_key(tmp_path: Path, band: dict, key: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        _group(tmp_path, {**LATENCY_GROUP, "bands": [band]})
+    assert caught.value.key == key
+    assert str(tmp_path / "cases.yaml") in str(caught.value)
+
+
+def test_the_shipped_bands_cover_the_assumed_inputs_the_issue_names() -> None:
+    """Every whole-step group prices its unpublished inputs over a band, and validate reports
+    the error range with a verdict for each group that has a goal."""
+    _, groups = run_validation(bands=True)
+    by_name = {g.group: g for g in groups}
+    keys = {name: {b.key for b in g.bands} for name, g in by_name.items()}
+    for name in ("nemo_rl_v03_grpo_stages", "nemo_rl_grpo_h100_step"):
+        assert "framework.controller.serialize_bytes_per_s" in keys[name]
+        assert all(b.goal for b in by_name[name].bands)
+    for group in groups:
+        for band in group.bands:
+            low, high = band.median_range
+            assert low <= high and band.reason
