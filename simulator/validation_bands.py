@@ -174,7 +174,8 @@ def band_results(spec: Mapping, bands: Sequence[Band],
             results.append(BandResult(band="all bands together", key="",
                                       reason="every corner of the bands above",
                                       points=(nominal, *corners),
-                                      goal=_verdict((nominal, *corners), goal)))
+                                      goal=_verdict((nominal, *corners), goal,
+                                                    corners=True)))
     return tuple(results)
 
 
@@ -188,8 +189,10 @@ def summary_point(setting: str, signed_errors: Sequence[float], *,
                      max_abs_error_pct=max(errors))
 
 
-def _verdict(points: Sequence[BandPoint],
-             goal: Callable[[BandPoint], bool] | None) -> str | None:
+def _verdict(points: Sequence[BandPoint], goal: Callable[[BandPoint], bool] | None, *,
+             corners: bool = False) -> str | None:
+    """Where the goal holds among ``points`` (the first is the nominal one): named for one
+    band's values, counted for the corners of several."""
     if goal is None:
         return None
     held = [p for p in points if goal(p)]
@@ -197,6 +200,13 @@ def _verdict(points: Sequence[BandPoint],
         return "holds across the band"
     if not held:
         return "holds nowhere in the band"
+    if corners:
+        at_nominal = goal(points[0])
+        count = len(held) - at_nominal
+        where = f"{count} of {len(points) - 1} corners" if count else \
+            f"none of the {len(points) - 1} corners"
+        return (f"holds in part of the band only (at {where}"
+                f"{', and at the nominal point' if at_nominal else ''})")
     return "holds in part of the band only (at " + \
         ", ".join(p.value or p.setting for p in held) + ")"
 
