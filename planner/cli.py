@@ -707,6 +707,9 @@ def _print_plan(result: Any, files: Any) -> None:
                        f"{'yes' if m.allowed else 'no (set mode: auto to allow)'}")
     if result.best is not None:
         click.echo(f"best plan: {result.best.plan.describe(job)}")
+    if result.confidence is not None:
+        for line in result.confidence.lines():
+            click.echo(line)
     click.echo(f"report: {files.report_html} (also report.md, plan.json, ranking.csv, "
                "strategies.csv, PNG figures)")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from planner.confidence import PlanConfidence
 from planner.objective import Ranking, plan_dollars_per_second, priced
 from planner.search import (
     Candidate,
@@ -110,6 +111,9 @@ class PlanningResult:
     infeasible_reason: str = ""
     modes: tuple[ModeOutcome, ...] = ()
     """The best plan per mode (empty on a mixed cluster or for a given plan)."""
+    confidence: PlanConfidence | None = None
+    """How sure the planner is of its winner under the model's validated error (None when
+    there is no other plan to compare it with)."""
 
 
 def evaluate(job: JobSpec, candidate: Candidate | None, strategy: str, iterations: int = 1,
@@ -211,7 +215,39 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
         reason = "" if best else explain_infeasible(job, search)
     return PlanningResult(job=job, best=best, ranking=ranking, strategies=tuple(strategies),
                           stats=search.stats, search_seconds=search.stats.seconds,
-                          infeasible_reason=reason, modes=modes)
+                          infeasible_reason=reason, modes=modes,
+                          confidence=plan_confidence(job, ranking, modes, objective))
+
+
+def plan_confidence(job: JobSpec, ranking: tuple[Evaluated, ...],
+                    modes: tuple[ModeOutcome, ...], objective: Ranking) -> PlanConfidence | None:
+    """The winner re-ranked against the other finalists (the ranking, then each mode's best
+    plan; one entry per distinct plan) under the model's validated error."""
+    from planner.confidence import (
+        Finalist,
+        confidence,
+        critical_path_shares,
+        validated_error_model,
+    )
+
+    if not ranking:
+        return None
+    by_cost = objective.objective != "throughput" and ranking[0].dollars_per_iteration is not None
+    finalists: dict[str, Finalist] = {}
+    entries = [(e, True) for e in ranking] + \
+        [(m.result, m.allowed) for m in modes if m.result is not None]
+    for evaluated, allowed in entries:
+        label = evaluated.plan.describe(job)
+        if evaluated.plan.mode != "sync":
+            label = f"{evaluated.plan.mode}: {label}"
+        if label in finalists:
+            continue
+        value = evaluated.dollars_per_iteration if by_cost else evaluated.iteration_seconds
+        finalists[label] = Finalist(
+            label=label, mode=evaluated.plan.mode, value=value or 0.0, allowed=allowed,
+            shares=critical_path_shares(evaluated.simulation.timeline))
+    return confidence(list(finalists.values()), validated_error_model(),
+                      unit="$" if by_cost else "s")
 
 
 def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | None,

@@ -191,7 +191,7 @@ def _accuracy_note(profile, *, mixture_of_experts: bool = False,
     """What is known about how far to trust predictions made with ``profile``, for a job of
     this kind (the validation groups of other kinds are left to ``hybridflow validate``)."""
     from planner.provenance import stale_calibration
-    from simulator.validation import run_validation
+    from simulator.validation import cached_validation
 
     provenance = profile.provenance
     stale = stale_calibration(profile)
@@ -213,7 +213,7 @@ def _accuracy_note(profile, *, mixture_of_experts: bool = False,
                 f"fitted stage times {provenance.residual_before or 0:.0%} -> "
                 f"{provenance.residual_after or 0:.0%} (not measured on held-out runs)."
                 f"{warning}")
-    _, groups = run_validation()
+    _, groups = cached_validation()
     shown = [g for g in groups if g.applies_to(mixture_of_experts=mixture_of_experts,
                                                asynchronous=asynchronous)]
     parts = [f"{g.group}: mean |error| {g.mean_abs_error_pct:.1f}%, max "
@@ -380,6 +380,8 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
                f"**{best.throughput_tokens_per_s:,.0f} tokens/s** "
                f"(prompt + response tokens per iteration / iteration time).", "",
                *([_cost_line(result), ""] if best.dollars_per_iteration else []),
+               *(["### How sure", "", *_confidence_lines(result, "- "), ""]
+                 if result.confidence else []),
                _markdown_table(_sets_table(best, job)), "",
                _markdown_table(_roles_table(best)), "",
                "![timeline](timeline.png)", "", "![memory](memory.png)", ""]
@@ -415,6 +417,9 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
                   f"<b>{best.throughput_tokens_per_s:,.0f} tokens/s</b>.</p>",
                   *([f"<p>{html.escape(_cost_line(result).replace('**', ''))}</p>"]
                     if best.dollars_per_iteration else []),
+                  *(["<h3>How sure</h3><ul>",
+                     *(f"<li>{html.escape(line)}</li>" for line in _confidence_lines(result)),
+                     "</ul>"] if result.confidence else []),
                   frame_html(_sets_table(best, job)),
                   frame_html(_roles_table(best)), image(out / "timeline.png"),
                   image(out / "memory.png")]
@@ -440,6 +445,18 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
     return ReportFiles(directory=out, plan=plan_path, report_md=out / "report.md",
                        report_html=out / "report.html", ranking_csv=out / "ranking.csv",
                        strategies_csv=out / "strategies.csv", figures=tuple(pngs))
+
+
+def _confidence_lines(result: PlanningResult, bullet: str = "") -> list[str]:
+    """The plan's confidence (planner/confidence.py) as sentences."""
+    c = result.confidence
+    assert c is not None
+    return [bullet + line.strip() for line in c.lines()] + [
+        bullet + "How: each finalist's critical path is split into generation, training, "
+        "forward passes and the rest; each part's error is drawn from the validation cases "
+        "that price that kind of work (`hybridflow validate`), correlated between plans as "
+        "one validation group's cases are. A winner fastest in at least 80% of draws is "
+        "firm; under 50%, the verdict flips inside the model's error."]
 
 
 MODES_NOTE = ("sync-colocate: every model on every GPU; sync: the searched synchronous "
@@ -489,6 +506,7 @@ def plan_json(result: PlanningResult) -> dict:
                                      if m.result else None),
              "reason": m.reason}
             for m in result.modes],
+        "confidence": None if result.confidence is None else result.confidence.to_value(),
         "search_seconds": result.search_seconds,
         "candidates_evaluated": result.stats.candidates_evaluated,
         "feasible": best is not None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pandas as pd
@@ -402,6 +403,13 @@ def run_validation(cases_file: Path = CASES_FILE, *,
                 key_prefix=f"{group}.first_seen"),
             bands=_bands(group, spec, cases_file, signed) if bands else ()))
     return pd.DataFrame(rows), summaries
+
+
+@cache
+def cached_validation() -> tuple[pd.DataFrame, list[GroupSummary]]:
+    """``run_validation()`` of the shipped cases, once per process (the report's accuracy note
+    and the plan's confidence read it; callers must not modify what it returns)."""
+    return run_validation()
 
 
 def _bands(group: str, spec: dict, cases_file: Path,
