@@ -575,7 +575,7 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
             "unfitted_median_abs_error_pct": held_before["median_abs_error_pct"]}
         if held_after["kendall_tau"] is not None:
             accuracy_record["kendall_tau"] = held_after["kendall_tau"]
-    from planner.provenance import code_fingerprint, git_commit
+    from planner.provenance import code_fingerprint, executor_fingerprint, git_commit
 
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     bounds_note = ("; at a bound: " + ", ".join(f"{k} ({v})" for k, v in at_bounds.items())
@@ -586,6 +586,7 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
         residual_before=before, residual_after=after, accuracy=accuracy_record,
         parameters_at_bounds=tuple(f"{k}={v}" for k, v in at_bounds.items()),
         commit=git_commit(), code_fingerprint=code_fingerprint(),
+        executor_fingerprint=executor_fingerprint(),
         notes=f"fitted {', '.join(f'{k}={v:.4g}' for k, v in values.items())}"
               f"{bounds_note}; base provenance: {base.provenance.source}")
     fitted = replace(fitted, name=name or f"{base.name}-calibrated", provenance=provenance)

@@ -1396,6 +1396,23 @@ def _echo_bands(group) -> None:
             click.echo(f"      why this range: {' '.join(band.reason.split())}")
 
 
+def _held_out_accuracy(profile) -> str:
+    """A calibrated profile's measured error on held-out runs, from its own provenance (empty
+    for a profile that was not calibrated on runs)."""
+    provenance = profile.provenance
+    acc = provenance.accuracy
+    if not provenance.fitted_on or not acc:
+        return ""
+    tau = f", Kendall tau {acc['kendall_tau']:.2f}" if "kendall_tau" in acc else ""
+    bounds = ("; at a bound: " + ", ".join(provenance.parameters_at_bounds)
+              if provenance.parameters_at_bounds else "; no parameter at a bound")
+    return (f"calibrated {provenance.fitted_at or '?'} (commit {provenance.commit or '?'}) on "
+            f"{len(provenance.fitted_on)} runs; on {acc.get('held_out_plans', 0):.0f} held-out "
+            f"plans ({acc.get('held_out_runs', 0):.0f} runs): median |error| "
+            f"{acc['median_abs_error_pct']:.1f}%, max {acc['max_abs_error_pct']:.1f}%, bias "
+            f"{acc.get('bias_pct', 0):+.1f}%{tau}{bounds}")
+
+
 # ----------------------------------------------------------------------------------------------
 # list
 
@@ -1415,10 +1432,15 @@ def list_(what: str) -> None:
     elif what == "devices":
         from profiles.device import available_profiles, load_profile
 
-        for name in available_profiles():
+        names = available_profiles()
+        width = max(12, *(len(n) for n in names))
+        for name in names:
             p = load_profile(name)
-            click.echo(f"{name:<12} {p.peak_flops('bf16') / 1e12:6.0f} TFLOP/s bf16  "
+            click.echo(f"{name:<{width}} {p.peak_flops('bf16') / 1e12:6.0f} TFLOP/s bf16  "
                        f"{p.memory_bytes / GIB:6.1f} GiB  {p.description}")
+            measured = _held_out_accuracy(p)
+            if measured:
+                click.echo(f"{'':<{width}} {measured}")
     else:
         from simulator.specs.dataflow import DATAFLOWS
 

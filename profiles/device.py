@@ -234,6 +234,12 @@ class Provenance:
     code_fingerprint: str | None = None
     """Hash of the executor and cost-model sources the fit ran on (planner/provenance.py);
     ``hybridflow plan`` warns when the code has changed since."""
+    executor_fingerprint: str | None = None
+    """Hash of the executor code the fitted runs executed (planner/provenance.py)."""
+    predictions: dict[str, float] = field(default_factory=dict)
+    """Seconds per iteration this profile predicted for each calibration plan when it was
+    fitted (``make accuracy``'s plans, by name): CI predicts them again and fails when the
+    cost model's answer moved, which means the fit describes other code."""
     notes: str = ""
     """Free text: machine, versions, settings."""
 
