@@ -28,7 +28,8 @@ from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig
 
 MAX_ROLLOUT_SIZES = 8
-"""Rollout sizes tried on a large cluster (spread geometrically over the node counts)."""
+"""Up to this many node counts, every rollout size is tried; beyond, the power-of-two splits
+(``rollout_sizes``)."""
 TRAINER_FINALISTS = 3
 """Trainer plans per rollout size carried to the combined ranking (the search's best few:
 their sync costs differ with the actor's layout)."""
@@ -44,30 +45,50 @@ class AsyncCandidate:
 
 
 def rollout_sizes(total_gpus: int, gpus_per_node: int) -> list[int]:
-    """GPU counts the rollout set may take (leaving the trainer at least one GPU)."""
+    """GPU counts the rollout set may take (leaving the trainer at least one GPU): on one node
+    the powers of two below it; on several, whole nodes: every count on a small cluster, and
+    on a large one the splits in which the rollout set or the trainer has a power of two of
+    nodes, from 1/16 of them up. Pipeline and expert-parallel layouts of a large model need
+    such trainer sizes (NeMo-RL's one-step-off Qwen3-235B run splits 256 H100s 128 + 128;
+    the geometric spread of node counts used before never tried a 16-node trainer on 32
+    nodes)."""
     if total_gpus <= gpus_per_node:
         return [r for r in powers_of_two(total_gpus - 1) if total_gpus - r >= 1]
     nodes = total_gpus // gpus_per_node
-    counts = list(range(1, nodes))
+    counts = set(range(1, nodes))
     if len(counts) > MAX_ROLLOUT_SIZES:
-        picks = {round(nodes ** (i / (MAX_ROLLOUT_SIZES - 1))) for i in range(MAX_ROLLOUT_SIZES)}
-        counts = sorted(c for c in picks if 1 <= c < nodes)
-    return [c * gpus_per_node for c in counts]
+        # Shares of 1/16 to 15/16 of the nodes: at most seven sizes whatever the cluster.
+        sides = [p for p in powers_of_two(nodes) if p * 16 >= nodes and p < nodes]
+        counts = set(sides) | {nodes - p for p in sides}
+    return [c * gpus_per_node for c in sorted(c for c in counts if 1 <= c < nodes)]
 
 
-def rollout_layouts(job: JobSpec, gpus: int) -> list[GenerationConfig]:
+DEDICATED_ROLLOUT_UTILIZATION = 0.9
+"""gpu_memory_utilization also tried on a rollout set of its own: its engine shares the GPUs
+with no training state, so vLLM's own default applies (EngineArgs gpu_memory_utilization
+0.9, vLLM docs "Engine Arguments"); the framework defaults (verl 0.5, NeMo-RL 0.6) are set for
+colocated engines. A 235B model at TP 8 needs 59 GB of an 80 GB H100 for its weights alone,
+more than 0.6 of it."""
+
+
+def rollout_layouts(job: JobSpec, gpus: int,
+                    options: SearchOptions | None = None) -> list[GenerationConfig]:
     """Generation layouts of the rollout set: tensor-parallel sizes within a node that divide
-    the heads and the set, at the job's engine settings."""
+    the heads and the set, at the job's engine settings (the memory share pinned, else the
+    framework's default, a dedicated engine's and the options')."""
     model = job.model("actor")
     gpn = job.cluster.gpus_per_node
     pin = job.parallel.get("actor")
     seqs, utilization = job.rollout_defaults()
+    utilizations = (utilization,) if pin and pin.gpu_memory_utilization else tuple(sorted(
+        {utilization, DEDICATED_ROLLOUT_UTILIZATION,
+         *(options.space.memory_utilization if options else ())}))
     out = []
     for tp in powers_of_two(min(gpn, gpus)):
         if model.heads % tp or gpus % tp or (pin and pin.generation_tp not in (None, tp)):
             continue
-        out.append(GenerationConfig(tp=tp, pp=1, max_num_seqs=seqs,
-                                    memory_utilization=utilization))
+        out += [GenerationConfig(tp=tp, pp=1, max_num_seqs=seqs, memory_utilization=share)
+                for share in utilizations]
     return out
 
 
@@ -124,7 +145,7 @@ def search_async(job: JobSpec, mode: Mode, staleness: int,
     found: list[AsyncCandidate] = []
     for side in trainers:
         rollout_gpus, trainer_job = side.rollout_gpus, side.job
-        layouts = rollout_layouts(job, rollout_gpus)
+        layouts = rollout_layouts(job, rollout_gpus, options)
         whole_nodes = job.framework_profile.space.whole_node_split and total > gpn
         for candidate in side.ranking:
             trainer_plan = candidate.to_plan(trainer_job)

@@ -95,6 +95,9 @@ class PlanConfidence:
     """The finalist most often fastest when the winner is not (None when it always is)."""
     p_rival: float
     finalists: int
+    """Plans re-ranked: the winner's rivals and each mode's best plan."""
+    allowed: int
+    """Of them, the plans of the modes the job allows (the winner's rivals)."""
     p_mode: dict[str, float]
     """Per mode with a plan: share of draws in which its best plan is the fastest mode."""
     spread_pct: dict[str, float]
@@ -117,9 +120,15 @@ class PlanConfidence:
                   else f"${self.expected_regret:,.2f}")
         spread = ", ".join(f"{k} {v:.0f}% (r {self.correlation[k]:.2f})"
                            for k, v in self.spread_pct.items())
-        out = [f"confidence: the winner is the fastest of {self.finalists} finalists in "
-               f"{self.p_best:.0%} of {self.draws:,} draws of the model's error: "
-               f"{self.verdict}; expected regret {regret} ({self.expected_regret_pct:.1f}%)",
+        if self.allowed == 1:
+            head = ("confidence: the winner is the only finalist of the modes the job allows "
+                    f"(of {self.finalists} priced)")
+        else:
+            head = (f"confidence: the winner is the fastest of {self.allowed} finalists in "
+                    f"{self.p_best:.0%} of {self.draws:,} draws of the model's error: "
+                    f"{self.verdict}; expected regret {regret} "
+                    f"({self.expected_regret_pct:.1f}%)")
+        out = [head,
                f"  validated error per kind of work (typical |error|, r: correlation between "
                f"plans): {spread}"]
         if self.rival is not None:
@@ -135,6 +144,7 @@ class PlanConfidence:
                 "expected_regret": self.expected_regret,
                 "expected_regret_pct": self.expected_regret_pct, "unit": self.unit,
                 "rival": self.rival, "p_rival": self.p_rival, "finalists": self.finalists,
+                "allowed_finalists": self.allowed,
                 "p_mode": dict(self.p_mode), "spread_pct": dict(self.spread_pct),
                 "correlation": dict(self.correlation), "draws": self.draws}
 
@@ -285,7 +295,7 @@ def confidence(finalists: Sequence[Finalist], model: ErrorModel, *, unit: str = 
         winner=finalists[winner].label, p_best=p_best,
         expected_regret=float(regret.mean()),
         expected_regret_pct=100.0 * float(regret.mean()) / finalists[winner].value,
-        rival=rival, p_rival=p_rival, finalists=count, p_mode=p_mode,
+        rival=rival, p_rival=p_rival, finalists=count, allowed=len(allowed), p_mode=p_mode,
         spread_pct={k: model.spread_pct(k) for k in WORK_KINDS},
         correlation=dict(model.correlation), draws=draws, unit=unit)
 

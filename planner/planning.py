@@ -212,11 +212,24 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
     elif best is None and objective.objective == "cost-at-deadline":
         reason = missed_deadline(job, options)
     else:
-        reason = "" if best else explain_infeasible(job, search)
+        reason = "" if best else (_other_modes_fit(job, modes) or explain_infeasible(job, search))
     return PlanningResult(job=job, best=best, ranking=ranking, strategies=tuple(strategies),
                           stats=search.stats, search_seconds=search.stats.seconds,
                           infeasible_reason=reason, modes=modes,
                           confidence=plan_confidence(job, ranking, modes, objective))
+
+
+def _other_modes_fit(job: JobSpec, modes: tuple[ModeOutcome, ...]) -> str:
+    """When no plan of the modes the job allows fits but another mode's does, say so (the
+    models fit the cluster: their memory is not the reason)."""
+    fitting = [m for m in modes if m.result is not None and not m.allowed]
+    if not fitting:
+        return ""
+    refused = "; ".join(f"{m.name}: {m.reason}" for m in modes if m.allowed and m.result is None)
+    best = min(fitting, key=lambda m: m.result.iteration_seconds)  # type: ignore[union-attr]
+    return (f"no plan of the mode the job allows fits ({refused or job.mode}); "
+            f"{best.name} fits at {best.result.iteration_seconds:.2f} s per iteration: "  # type: ignore[union-attr]
+            "set mode: auto to let the planner choose it")
 
 
 def plan_confidence(job: JobSpec, ranking: tuple[Evaluated, ...],
@@ -237,12 +250,23 @@ def plan_confidence(job: JobSpec, ranking: tuple[Evaluated, ...],
     entries = [(e, True) for e in ranking] + \
         [(m.result, m.allowed) for m in modes if m.result is not None]
     for evaluated, allowed in entries:
+        # The layout alone (describe() ends with the mode: "(one_step_off)", "(async
+        # (staleness 1))").
         label = evaluated.plan.describe(job)
         if evaluated.plan.mode != "sync":
-            label = f"{evaluated.plan.mode}: {label}"
-        if label in finalists:
-            continue
+            label = label.rsplit(f" ({evaluated.plan.mode}", 1)[0]
         value = evaluated.dollars_per_iteration if by_cost else evaluated.iteration_seconds
+        same = finalists.get(label)
+        if same is not None and evaluated.plan.mode in same.mode.split("/"):
+            continue  # the same plan again (sync-colocate is the searched sync plan)
+        if same is not None and same.value == value:
+            # One layout in two modes at the same price (one_step_off and async at
+            # staleness 1): one finalist, both modes.
+            finalists[label] = replace(same, mode=f"{same.mode}/{evaluated.plan.mode}",
+                                       allowed=same.allowed or allowed)
+            continue
+        if same is not None:
+            label = f"{evaluated.plan.mode}: {label}"
         finalists[label] = Finalist(
             label=label, mode=evaluated.plan.mode, value=value or 0.0, allowed=allowed,
             shares=critical_path_shares(evaluated.simulation.timeline))

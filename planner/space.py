@@ -431,9 +431,13 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 and layout.tp > 1 and layout.sharding != "fsdp"
         if job.model(role).moe is not None and layout.tp > 1 and not sequence_parallel:
             continue  # MoE layers under tp > 1 need sequence parallelism (ParallelConfig)
+        # NeMo-RL trains a model under tp >= 4 at its log-prob micro-batch only
+        # (nemo_rl_tp_micro_batches): that micro-batch is tried too.
+        required = job.workload.infer_micro_batch_size \
+            if "nemo_rl_tp_micro_batches" in space.batch_rules and layout.tp >= 4 else None
         knobs = [(ep_etp, batching, recompute, offload, sp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
-                 for batching in _batchings(job, trained, engine, pins, options)
+                 for batching in _batchings(job, trained, engine, pins, options, required)
                  for recompute in _recomputes(trained, engine, pins, options, variant)
                  for offload in _offloads(trained, engine, job)
                  for sp in ulysses_sizes(job, role, layout, gpus)]
@@ -512,20 +516,27 @@ def _pinned_micro_batch(job: JobSpec, trained: bool, pins: dict[str, Any]) -> in
 
 
 def _micro_batches(job: JobSpec, trained: bool, pins: dict[str, Any],
-                   options: SpaceOptions) -> tuple[int, ...]:
+                   options: SpaceOptions, required: int | None = None) -> tuple[int, ...]:
+    """Micro-batches to try: the pinned one, else for a trained model the options' (and
+    ``required``, one the framework insists on for this layout), else the forward passes'."""
     pinned = _pinned_micro_batch(job, trained, pins)
     if pinned is not None:
         return (pinned,)
-    return options.micro_batches if trained else (job.workload.infer_micro_batch_size,)
+    if not trained:
+        return (job.workload.infer_micro_batch_size,)
+    if required is not None and required not in options.micro_batches:
+        return (*options.micro_batches, required)
+    return options.micro_batches
 
 
 def _batchings(job: JobSpec, trained: bool, engine: EngineSpace, pins: dict[str, Any],
-               options: SpaceOptions) -> list[tuple[int, int, int]]:
+               options: SpaceOptions, required: int | None = None
+               ) -> list[tuple[int, int, int]]:
     """(micro_batch_size, training token budget, forward token budget) to try: micro-batches
     of whole sequences, and, on an engine that forms them by a token budget and for
     responses of varying length (for one length the two are the same), budgets of as many
     longest sequences (verl requires a budget of at least the longest sequence)."""
-    out = [(mbs, 0, 0) for mbs in _micro_batches(job, trained, pins, options)]
+    out = [(mbs, 0, 0) for mbs in _micro_batches(job, trained, pins, options, required)]
     work = job.workload
     if not engine.token_budget or _pinned_micro_batch(job, trained, pins) is not None \
             or work.response_length.max_tokens == work.response_length.mean_tokens():

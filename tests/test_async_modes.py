@@ -161,6 +161,11 @@ def test_rollout_sizes_keep_whole_nodes():
     assert rollout_sizes(32, 8) == [8, 16, 24]
     assert all(r % 8 == 0 for r in rollout_sizes(1024, 8))
     assert len(rollout_sizes(1024, 8)) <= 8
+    # A trainer of a power of two of nodes beside the rollout set: 128 + 128 of 256 GPUs (the
+    # split of NeMo-RL's one-step-off Qwen3-235B run) is tried.
+    assert 128 in rollout_sizes(256, 8)
+    assert all(256 - r in (16, 32, 64, 128) or r in (16, 32, 64, 128)
+               for r in rollout_sizes(256, 8))
 
 
 def test_search_async_ranks_feasible_splits_by_their_simulated_step():
