@@ -280,3 +280,46 @@ def test_one_trainer_search_serves_both_asynchronous_modes():
         reused = search_async(job, mode, 1, top_k=3, trainers=shared)  # type: ignore[arg-type]
         assert [c.plan.to_value() for c in reused] == [c.plan.to_value() for c in alone]
         assert [c.step_seconds for c in reused] == [c.step_seconds for c in alone]
+
+
+QWEN3_235B_ONE_STEP_OFF = {
+    # NeMo-RL's one-step-off GRPO of Qwen3-235B-A22B on 256 H100 (issue 30): Megatron TP 4,
+    # EP 16, PP 8 on the trainer, vLLM TP 8 on the rollout GPUs; 16 prompts x 32 samples of
+    # up to 8K tokens.
+    "algorithm": "grpo", "framework": "nemo-rl", "mode": "one_step_off",
+    "models": {"actor": "qwen3-235b-a22b", "ref": "qwen3-235b-a22b", "reward": "rule"},
+    "cluster": {"nodes": 32, "gpus_per_node": 8, "device": "h100-80gb"},
+    "workload": {"prompts_per_iteration": 16, "samples_per_prompt": 32, "prompt_length": 128,
+                 "response_length": {"distribution": "max_entropy", "mean": 5700,
+                                     "max": 8064},
+                 "mini_batches_per_epoch": 1},
+    "parallel": {"actor": {"tp": 4, "pp": 8, "ep": 16, "generation_tp": 8}},
+}
+
+
+def test_the_published_235b_one_step_off_run_plans_with_its_own_layout():
+    """It needs a trainer of a power of two of nodes (128 of 256 GPUs), a rollout engine
+    that takes more than a colocated engine's 0.6 of the memory (235B at TP 8 holds 59 GB of
+    weights per GPU), and NeMo-RL's micro-batch rule under TP 4 in the search."""
+    result = plan_job(job_from_mapping(QWEN3_235B_ONE_STEP_OFF))
+    best = result.best
+    assert best is not None, result.infeasible_reason
+    assert best.plan.mode == "one_step_off"
+    actor = best.plan.roles["actor"]
+    assert (actor.parallel.tp, actor.parallel.pp, actor.parallel.ep) == (4, 8, 16)
+    assert actor.generation.tp == 8 and actor.generation.memory_utilization == 0.9
+    assert best.plan.total_gpus == 128 and best.plan.rollout.gpus % 8 == 0
+    # NeMo-RL asserts train_micro_batch_size == logprob_batch_size under TP >= 4.
+    assert actor.parallel.micro_batch_size == result.job.workload.infer_micro_batch_size
+
+
+def test_a_mode_that_does_not_fit_is_told_apart_from_a_job_that_does_not():
+    """A job allowing only one_step_off on too few GPUs for a split: the refusal says that
+    a synchronous plan fits, not that the models' memory does not."""
+    job = _job(mode="one_step_off",
+               cluster={"nodes": 1, "gpus_per_node": 2, "device": "a100-80gb"})
+    result = plan_job(job)
+    if result.best is not None:
+        pytest.skip("a split fits on 2 GPUs for this job")
+    assert "set mode: auto" in result.infeasible_reason
+    assert "GiB" not in result.infeasible_reason
