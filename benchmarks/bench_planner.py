@@ -135,6 +135,16 @@ def main() -> None:
     print(f"  median of {len(command)} runs {statistics.median(command):.2f} s "
           f"(min {min(command):.2f}, max {max(command):.2f}); goal (issue 30) <= 2 s -> "
           f"{'met' if statistics.median(command) <= 2 else 'MISSED'}")
+    for label, text, extra in (
+            ("lognormal", PLAN_JOB_1M_LOGNORMAL, ()),
+            ("maximum-entropy", PLAN_JOB_1M_MAX_ENTROPY, ()),
+            ("lognormal, every layout priced (--backend simulated)", PLAN_JOB_1M_LOGNORMAL,
+             ("--backend", "simulated"))):
+        million_command = plan_command_seconds(runs=3, job_text=text, extra=extra)
+        median = statistics.median(million_command)
+        print(f"  the same with 1,000,000 prompts, {label} lengths: median of "
+              f"{len(million_command)} runs {median:.2f} s; goal (issue 30) <= 10 s -> "
+              f"{'met' if median <= 10 else 'MISSED'}")
 
 
 PLAN_JOB_128 = """algorithm: ppo
@@ -145,16 +155,28 @@ workload: {prompts_per_iteration: 1024, prompt_length: 1024, response_length: 10
 """
 
 
-def plan_command_seconds(runs: int = 5) -> list[float]:
+PLAN_JOB_1M_LOGNORMAL = PLAN_JOB_128.replace(
+    "prompts_per_iteration: 1024, prompt_length: 1024, response_length: 1024",
+    "prompts_per_iteration: 1000000, prompt_length: 1024,\n"
+    "           response_length: {distribution: lognormal, median: 600, sigma: 0.7, "
+    "max: 2048}")
+PLAN_JOB_1M_MAX_ENTROPY = PLAN_JOB_128.replace(
+    "prompts_per_iteration: 1024, prompt_length: 1024, response_length: 1024",
+    "prompts_per_iteration: 1000000, prompt_length: 1024,\n"
+    "           response_length: {distribution: max_entropy, mean: 700, max: 2048}")
+
+
+def plan_command_seconds(runs: int = 5, job_text: str = PLAN_JOB_128,
+                         extra: tuple[str, ...] = ()) -> list[float]:
     """Wall seconds of whole `python -m planner plan` processes (after one warm-up run)."""
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.yaml"
-        job.write_text(PLAN_JOB_128, encoding="utf-8")
+        job.write_text(job_text, encoding="utf-8")
         for i in range(runs + 1):
             started = time.perf_counter()
             subprocess.run([sys.executable, "-m", "planner", "plan", "--config", str(job),
-                            "--out", str(Path(tmp) / "report")], check=True,
+                            "--out", str(Path(tmp) / "report"), *extra], check=True,
                            capture_output=True)
             if i:
                 out.append(time.perf_counter() - started)

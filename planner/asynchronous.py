@@ -112,6 +112,7 @@ def trainer_sides(job: JobSpec, options: SearchOptions | None = None) -> list[Tr
     options = options or SearchOptions()
     total = job.cluster.total_gpus
     out = []
+    shared: Search | None = None
     for rollout_gpus in rollout_sizes(total, job.cluster.gpus_per_node):
         trainer_cluster = job.cluster.with_total_gpus(total - rollout_gpus)
         trainer_job = replace(job, cluster=trainer_cluster, generation_elsewhere=True)
@@ -125,7 +126,11 @@ def trainer_sides(job: JobSpec, options: SearchOptions | None = None) -> list[Tr
             if not kept:
                 continue
             trainer_options = replace(options, placements=kept)
-        result = Search(trainer_job, trainer_options).run(top_k=TRAINER_FINALISTS)
+        # The trainer searches differ only in the cluster's size: each model or set on g GPUs
+        # is costed once for all of them.
+        search = Search(trainer_job, trainer_options, caches_from=shared)
+        shared = shared or search
+        result = search.run(top_k=TRAINER_FINALISTS)
         out.append(TrainerSide(rollout_gpus=rollout_gpus, job=trainer_job,
                                ranking=tuple(result.ranking)))
     return out

@@ -17,7 +17,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.frontier import (
     Group,
@@ -326,7 +326,12 @@ class Search:
     part of the allocation: each set's cost models see its pool's device and network."""
 
     def __init__(self, job: JobSpec, options: SearchOptions | None = None,
-                 progress: Callable[[int, int, SearchStats], None] | None = None):
+                 progress: Callable[[int, int, SearchStats], None] | None = None, *,
+                 caches_from: Search | None = None):
+        """``caches_from``: a search of the same job on another number of GPUs (the trainer
+        sides of asynchronous plans), whose per-set caches this one shares when its nodes are
+        the same kind (a model or set on g GPUs costs the same whatever the cluster's size);
+        on other nodes it is ignored."""
         self.job = job
         self.options = options or SearchOptions()
         if self.options.space.backend != "simulated":
@@ -356,6 +361,8 @@ class Search:
                                 tuple[tuple[str, float], ...] | None] = {}
         self._groups: dict[tuple[str, ...], tuple[Group, ...]] = {}
         self._fastest: dict[tuple, float] = {}
+        if caches_from is not None and self._costs_alike(caches_from):
+            self._share_caches(caches_from)
         self._top_k = self.options.top_k
         self.ranking = self.options.ranking
         if self.ranking.by_cost:
@@ -364,6 +371,24 @@ class Search:
         self.pool_price = tuple(pool_price_per_gpu_hour(job.cluster, p) or 0.0
                                 for p in self.pools)
         self.cluster_rate = cluster_dollars_per_second(job.cluster) if self.priced else 0.0
+
+    def _costs_alike(self, other: Search) -> bool:
+        """Whether ``other`` costs every model and set as this search does: the same job,
+        options and kind of node, on one pool each (only the number of GPUs differs)."""
+        return len(self.pools) == len(other.pools) == 1 and \
+            self.views[0].cluster.only_group().pool_key() == \
+            other.views[0].cluster.only_group().pool_key() and \
+            self.variants == other.variants and self.options.space == other.options.space \
+            and replace(self.job, cluster=other.job.cluster) == other.job
+
+    def _share_caches(self, other: Search) -> None:
+        self._candidates = other._candidates
+        self._generation_cache = other._generation_cache
+        self._frontiers = other._frontiers
+        self._ideals = other._ideals
+        self._role_ideals = other._role_ideals
+        self._groups = other._groups
+        self._fastest = other._fastest
 
     # ----- the objective -----
 

@@ -1,4 +1,7 @@
-"""Figures of a planning run (matplotlib, Agg backend, PNG files)."""
+"""Figures of a planning run (matplotlib figures drawn by the Agg canvas, PNG files).
+
+Figures are made with ``matplotlib.figure.Figure`` directly, not through pyplot: no global
+figure manager to close, and a third of a second less to start ``plan``."""
 
 from __future__ import annotations
 
@@ -6,10 +9,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from simulator.costs.memory import GIB
@@ -23,13 +24,19 @@ STRATEGY_COLOURS = {"searched": "#2a9d8f", "pinned": "#2a9d8f", "colocate": "#e9
                     "standalone": "#f4a261", "split": "#e76f51"}
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _figure(**kwargs) -> tuple[Figure, object]:
+    """A figure on an Agg canvas and its one axes."""
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
+
+
+def _save(fig: Figure, path: Path) -> Path:
     """Write the PNG through a temporary file and a rename (never half a file)."""
     if fig.get_layout_engine() is None:
         fig.tight_layout()
     temporary = path.with_name(f".{path.name}.tmp")
     fig.savefig(temporary, dpi=120, format="png")
-    plt.close(fig)
     os.replace(temporary, path)
     return path
 
@@ -39,7 +46,7 @@ def throughput_by_strategy(names: Sequence[str], placements: Sequence[str],
                            title: str, reasons: Sequence[str] = ()) -> Path:
     """Bars of tokens/s per strategy; a strategy without a plan is marked, not drawn, with
     the gist of its reason (``reasons``: the strategies table's, as the CLI prints them)."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = _figure(figsize=(7.5, 4.2))
     positions = range(len(names))
     values = [t or 0.0 for t in throughputs]
     bars = ax.bar(positions, values,
@@ -90,7 +97,7 @@ def timeline_gantt(events: Sequence[TimelineEvent], path: Path, title: str) -> P
     lanes = [lane for lane in longest
              if lane not in ("controller", "network") or longest[lane] > 0.002 * end]
     events = [e for e in events if e.lane in lanes]
-    fig, ax = plt.subplots(figsize=(10, 1.3 + 0.45 * len(lanes)), layout="constrained")
+    fig, ax = _figure(figsize=(10, 1.3 + 0.45 * len(lanes)), layout="constrained")
     drawn: set[str] = set()
     for event in events:
         row = lanes.index(event.lane)
@@ -122,7 +129,7 @@ def timeline_gantt(events: Sequence[TimelineEvent], path: Path, title: str) -> P
 
 def memory_by_set(memory: Sequence[SetMemory], path: Path, title: str) -> Path:
     """Per-GPU memory of each set at its peak, stacked by kind, against what is usable."""
-    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    fig, ax = _figure(figsize=(8.5, 4.2))
     mixed = len({m.device for m in memory}) > 1
     labels = [f"{m.label}\n({m.gpus} x {m.device})" if mixed else f"{m.label}\n({m.gpus} GPUs)"
               for m in memory]
@@ -154,7 +161,7 @@ def memory_by_set(memory: Sequence[SetMemory], path: Path, title: str) -> Path:
 def throughput_vs_gpus(gpus: Sequence[int], series: dict[str, Sequence[float | None]],
                        path: Path, title: str) -> Path:
     """Throughput of each strategy against cluster size (the shape of HybridFlow Fig. 12)."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = _figure(figsize=(7.5, 4.5))
     markers = {"searched": "o", "colocate": "s", "standalone": "^", "split": "D"}
     for name, values in series.items():
         xs = [g for g, v in zip(gpus, values, strict=True) if v]

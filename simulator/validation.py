@@ -407,9 +407,79 @@ def run_validation(cases_file: Path = CASES_FILE, *,
 
 @cache
 def cached_validation() -> tuple[pd.DataFrame, list[GroupSummary]]:
-    """``run_validation()`` of the shipped cases, once per process (the report's accuracy note
-    and the plan's confidence read it; callers must not modify what it returns)."""
-    return run_validation()
+    """``run_validation()`` of the shipped cases, once per process and, between processes,
+    from a file in the user's cache directory named by a hash of everything the result
+    depends on (the simulator's and the profiles' sources and data files): any change to
+    them names another file, so a stale result is never read. The report's accuracy note and
+    the plan's confidence read it; callers must not modify what it returns."""
+    import json
+    import os
+
+    from profiles.datafile import to_mapping, write_text_atomic
+
+    path = _validation_cache_path()
+    if path is not None and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            groups = [_summary_from_mapping(g) for g in data["groups"]]
+            return pd.DataFrame(data["cases"]), groups
+        except (OSError, ValueError, KeyError, TypeError, SpecError):
+            pass  # unreadable: computed again and rewritten below
+    table, groups = run_validation()
+    if path is not None:
+        try:
+            os.makedirs(path.parent, exist_ok=True)
+            write_text_atomic(path, json.dumps({
+                "cases": table.to_dict(orient="records"),
+                "groups": [to_mapping(g) for g in groups]}))
+        except OSError:
+            pass  # a read-only home: the next process computes it again
+    return table, groups
+
+
+VALIDATION_INPUTS = ("simulator", "profiles")
+"""Packages whose sources and data files decide ``run_validation``'s result."""
+
+
+def _validation_cache_path() -> Path | None:
+    """The cache file for today's sources (None when caching is off:
+    HYBRIDFLOW_CACHE_DIR set to an empty string)."""
+    import hashlib
+    import os
+
+    base = os.environ.get("HYBRIDFLOW_CACHE_DIR")
+    if base == "":
+        return None
+    if base is None:
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME")
+                            or os.path.join(os.path.expanduser("~"), ".cache"), "hybridflow")
+    import sys
+
+    import numpy as np
+
+    from profiles.device import profile_search_path
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(f"{sys.version} numpy {np.__version__} pandas "
+                            f"{pd.__version__}".encode())
+    # The shipped packages, and the profile directories a user puts before the shipped ones
+    # (HYBRIDFLOW_PROFILE_PATH: a profile there would replace a shipped one of its name).
+    folders = [root / package for package in VALIDATION_INPUTS] + \
+        [d for d in profile_search_path() if d.is_dir()]
+    for folder in folders:
+        for file in sorted(folder.rglob("*")):
+            if file.suffix in (".py", ".yaml", ".yml", ".csv", ".json") and file.is_file():
+                digest.update(str(file).encode() + b"\0")
+                digest.update(file.read_bytes() + b"\0")
+    return Path(base) / f"validation-{digest.hexdigest()[:20]}.json"
+
+
+def _summary_from_mapping(data: dict) -> GroupSummary:
+    seen = data.get("first_seen")
+    return GroupSummary(**{
+        **data, "first_seen": None if seen is None else FirstSeen(**seen),
+        "assumptions": tuple(data["assumptions"]), "winners": tuple(data["winners"]),
+        "bands": ()})
 
 
 def _bands(group: str, spec: dict, cases_file: Path,

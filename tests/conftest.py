@@ -12,6 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "planner" / "examples"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The validation cache (simulator/validation.py) goes to a directory of this session,
+    not the user's ~/.cache (subprocesses the tests start inherit it)."""
+    import os
+
+    os.environ["HYBRIDFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("hybridflow-cache"))
+
+
 @pytest.fixture(autouse=True)
 def _no_user_profile_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HYBRIDFLOW_PROFILE_PATH", raising=False)

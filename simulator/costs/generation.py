@@ -591,7 +591,7 @@ def _drain_horizon(batch: ReplicaBatch, cap: int) -> float:
     return cap * batch.longest / batch.mean_tokens
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=4096)
 def _fluid_plan(batch: ReplicaBatch, cap: int) -> _FluidPlan:
     """Group the responses for the fluid model at running cap ``cap`` (sequences).
 
