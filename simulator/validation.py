@@ -305,7 +305,8 @@ def winners(rows: list[dict]) -> list[str]:
 def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
                     stages: bool = True) -> list[dict]:
     """Whole RLHF iterations: each case is a job (with its framework and every parallel setting
-    pinned), colocated on all its GPUs as the source ran it, simulated for one iteration. A
+    pinned), colocated on all its GPUs as the source ran it, simulated for one iteration (or,
+    with ``measures: STAGE``, the stage timer STAGE of ``stage_parts`` as the measurement). A
     case with ``stages`` adds one row per published stage timer (``stage_parts`` of the group
     says which of the simulator's nodes and parts each timer holds); stage rows are reported
     but the group's statistics are the whole steps'."""
@@ -324,9 +325,18 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
         if not result.feasible:
             raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
                             source=source)
+        predicted = result.iteration_seconds
+        measures = spec.get("measures")
+        if measures is not None:
+            # A group of one published stage timer (``measures``: a key of stage_parts).
+            if measures not in stage_parts:
+                raise SpecError(f"measures {measures!r} has no entry in stage_parts",
+                                key=f"{group}.measures", source=str(cases_file))
+            predicted = _stage_seconds(estimate_plan(job_as_planned(job, plan), plan),
+                                       stage_parts[measures], source)
         rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
                      "measured": float(case["measured"]),
-                     "predicted": result.iteration_seconds, "stage": "",
+                     "predicted": predicted, "stage": "",
                      "scale": case.get("scale"), "mode": plan.mode})
         if not stages or not case.get("stages"):
             continue

@@ -123,3 +123,20 @@ def test_the_shipped_bands_cover_the_assumed_inputs_the_issue_names() -> None:
         for band in group.bands:
             low, high = band.median_range
             assert low <= high and band.reason
+
+
+def test_a_group_of_one_stage_timer_measures_that_stage(tmp_path: Path) -> None:
+    """``measures: refit`` makes the stage timer the group's measurement: the prediction is
+    the sum of the stage's parts, not the whole step."""
+    shipped = yaml.safe_load(CASES_FILE.read_text())["nemo_rl_v03_grpo_stages"]
+    case = {**shipped["cases"][0], "measured": 5.0}
+    case.pop("stages")
+    spec = {k: v for k, v in shipped.items() if k not in ("bands", "first_seen")}
+    spec.update(cases=[case], measures="refit", metric="refit_seconds")
+    table, _ = run_validation(_write(tmp_path, {"g": spec}))
+    (row,) = table.to_dict(orient="records")
+    step = run_validation(_write(tmp_path, {"g": {**spec, "measures": None}}))[0]
+    assert 0 < row["predicted"] < step["predicted"].iloc[0]
+    with pytest.raises(SpecError) as caught:
+        run_validation(_write(tmp_path, {"g": {**spec, "measures": "nowhere"}}))
+    assert caught.value.key == "g.measures"
