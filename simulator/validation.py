@@ -82,7 +82,9 @@ class GroupSummary:
     first_seen: FirstSeen | None = None
     """The group's error at the commit that added its cases (validation_cases.yaml)."""
     mixture_of_experts: bool = False
-    """The group's models are mixtures of experts."""
+    """The group's models are mixtures of experts (all of them)."""
+    mixed_models: bool = False
+    """The group has cases of dense and of MoE models: it applies to jobs of both kinds."""
     asynchronous: bool = False
     """The group's cases run a rollout set of their own (one_step_off or async)."""
     bands: tuple[BandResult, ...] = ()
@@ -105,7 +107,7 @@ class GroupSummary:
     def applies_to(self, *, mixture_of_experts: bool, asynchronous: bool) -> bool:
         """Whether the group says something about a job of this kind: its models dense or
         MoE as the job's, and its asynchronous cases only for an asynchronous plan."""
-        return self.mixture_of_experts == mixture_of_experts and \
+        return (self.mixed_models or self.mixture_of_experts == mixture_of_experts) and \
             (asynchronous or not self.asynchronous)
 
     @property
@@ -393,6 +395,7 @@ def run_validation(cases_file: Path = CASES_FILE, *,
                                                         for a in assumptions):
             raise SpecError("expected a list of sentences", key=f"{group}.assumptions",
                             source=str(cases_file))
+        moe = [_case_model(case).moe is not None for case in spec["cases"]]
         summaries.append(GroupSummary(
             group=group, source=" ".join(spec["source"].split()), cases=len(signed),
             mean_abs_error_pct=sum(errors) / len(errors), max_abs_error_pct=max(errors),
@@ -405,8 +408,7 @@ def run_validation(cases_file: Path = CASES_FILE, *,
             metric=spec.get("metric", "iteration_seconds"),
             assumptions=tuple(" ".join(a.split()) for a in assumptions),
             winners=tuple(winners(group_rows)),
-            mixture_of_experts=any(_case_model(case).moe is not None
-                                   for case in spec["cases"]),
+            mixture_of_experts=all(moe), mixed_models=any(moe) and not all(moe),
             asynchronous=any("rollout_gpus" in case for case in spec["cases"]),
             first_seen=None if "first_seen" not in spec else from_mapping(
                 FirstSeen, spec["first_seen"], source=str(cases_file),
