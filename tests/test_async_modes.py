@@ -325,3 +325,16 @@ def test_a_mode_that_does_not_fit_is_told_apart_from_a_job_that_does_not():
         pytest.skip("a split fits on 2 GPUs for this job")
     assert "set mode: auto" in result.infeasible_reason
     assert "GiB" not in result.infeasible_reason
+
+
+def test_trainer_searches_that_share_caches_find_what_each_finds_alone():
+    """The trainer sides share one cost cache (a model or set on g GPUs costs the same on
+    every trainer size): each side's ranking is the one its own search finds."""
+    from planner.asynchronous import trainer_sides
+    from planner.search import Search
+
+    job = _long_tail_job()
+    for side in trainer_sides(job):
+        alone = Search(side.job, SearchOptions()).run(top_k=3).ranking
+        assert [c.to_plan(side.job).to_value() for c in side.ranking] == \
+            [c.to_plan(side.job).to_value() for c in alone]

@@ -355,3 +355,19 @@ def test_a_refusal_names_the_pin_that_leaves_a_role_no_layout() -> None:
     reason = plan_job(both).infeasible_reason
     assert reason.startswith("no layout in verl's space runs actor with these pins together: "
                              "parallel.actor.pp: 2, parallel.actor.ulysses: 2")
+
+
+def test_the_grid_of_running_caps_brackets_every_cap() -> None:
+    """The search prices long-tailed batches at a geometric grid of caps (steps of 1/16) and
+    interpolates between the two grid points around a cap."""
+    from planner.frontier import CAP_GRID_FROM, CAP_GRID_STEP, _cap_grid
+
+    for cap in range(1, 5000):
+        lo, hi = _cap_grid(cap)
+        assert lo <= cap <= hi
+        if cap <= CAP_GRID_FROM:
+            assert lo == hi == cap
+        else:
+            assert hi - lo <= max(2, CAP_GRID_STEP * lo + 2)
+    # Caps near one another share their grid points (what makes the grid cheap).
+    assert len({_cap_grid(c) for c in range(100, 1100)}) < 60
