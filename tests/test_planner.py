@@ -371,3 +371,17 @@ def test_the_grid_of_running_caps_brackets_every_cap() -> None:
             assert hi - lo <= max(2, CAP_GRID_STEP * lo + 2)
     # Caps near one another share their grid points (what makes the grid cheap).
     assert len({_cap_grid(c) for c in range(100, 1100)}) < 60
+
+
+def test_the_report_prices_the_whole_weight_update_not_only_the_transition(tmp_path) -> None:
+    """A colocated actor's update before generation is the transition plus the engine's
+    wake-up (and states moved to host where the framework offloads them)."""
+    from reports.render import write_plan_report
+
+    result = plan_job(default_job())
+    write_plan_report(result, tmp_path)
+    line = next(x for x in (tmp_path / "report.md").read_text().splitlines()
+                if "whole weight update" in x)
+    wake = result.best.estimate.nodes["actor.generate"].detail["wake_seconds"]
+    total = wake + result.best.estimate.transition.seconds
+    assert f"priced at {total:.2f} s" in line and "nemo_rl_v03_refit" in line
