@@ -286,6 +286,12 @@ def _set_device(spec: dict, case: dict, band: Band, value: Any) -> None:
 
 def _get(obj: Any, path: Sequence[str], key: str) -> Any:
     for part in path:
+        if isinstance(obj, Mapping):  # a mapping of the profile (its corrections)
+            if part not in obj:
+                raise SpecError(f"the profile has no {part!r} here to multiply; give values",
+                                key=key)
+            obj = obj[part]
+            continue
         if not hasattr(obj, part):
             raise SpecError(f"the profile has no field {part!r}", key=key)
         obj = getattr(obj, part)
@@ -293,9 +299,12 @@ def _get(obj: Any, path: Sequence[str], key: str) -> Any:
 
 
 def _replaced(obj: Any, path: Sequence[str], value: Any) -> Any:
-    if len(path) == 1:
-        return replace(obj, **{path[0]: value})
-    return replace(obj, **{path[0]: _replaced(getattr(obj, path[0]), path[1:], value)})
+    """``obj`` (a frozen dataclass, or a mapping inside one) with ``path`` set to ``value``."""
+    head, rest = path[0], path[1:]
+    if isinstance(obj, Mapping):
+        return {**obj, head: value if not rest else _replaced(obj[head], rest, value)}
+    return replace(obj, **{head: value if not rest else _replaced(getattr(obj, head), rest,
+                                                                      value)})
 
 
 def _short(value: Any) -> str:

@@ -140,3 +140,17 @@ def test_a_group_of_one_stage_timer_measures_that_stage(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as caught:
         run_validation(_write(tmp_path, {"g": {**spec, "measures": "nowhere"}}))
     assert caught.value.key == "g.measures"
+
+
+def test_a_device_band_may_set_one_of_the_profiles_corrections(tmp_path: Path) -> None:
+    """``device.corrections.KEY`` sets one fitted correction (a mapping in the profile): a
+    decode twice as slow makes the generation latency longer."""
+    spec = {**LATENCY_GROUP, "bands": [
+        {"input": "decode correction", "key": "device.corrections.decode", "values": [2.0],
+         "reason": "a test"}]}
+    group = _group(tmp_path, spec)
+    nominal, doubled = group.bands[0].points
+    assert doubled.median_abs_error_pct > nominal.median_abs_error_pct
+    factors = {**spec, "bands": [{**spec["bands"][0], "values": [], "factors": [2.0]}]}
+    with pytest.raises(SpecError, match="give values"):
+        _group(tmp_path, factors)  # the shipped A100 profile has no decode correction
