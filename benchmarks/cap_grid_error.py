@@ -36,7 +36,7 @@ def main() -> None:
                              replicas=replicas)
         errors = []
         for cap in rng.sample(range(17, 1024), 40):
-            lo, hi = _cap_grid(cap)
+            lo, hi = _cap_grid(cap, 1024)
             if lo == hi:
                 continue
             exact = decode_seconds(model, gen, batch, cap)

@@ -29,7 +29,7 @@ from simulator.specs.parallel import GenerationConfig
 
 MAX_ROLLOUT_SIZES = 8
 """Up to this many node counts, every rollout size is tried; beyond, the power-of-two splits
-(``rollout_sizes``)."""
+(``rollout_sizes``: at most eight)."""
 TRAINER_FINALISTS = 3
 """Trainer plans per rollout size carried to the combined ranking (the search's best few:
 their sync costs differ with the actor's layout)."""
@@ -57,7 +57,8 @@ def rollout_sizes(total_gpus: int, gpus_per_node: int) -> list[int]:
     nodes = total_gpus // gpus_per_node
     counts = set(range(1, nodes))
     if len(counts) > MAX_ROLLOUT_SIZES:
-        # Shares of 1/16 to 15/16 of the nodes: at most seven sizes whatever the cluster.
+        # Shares from 1/16 of the nodes up, either side a power of two: at most eight sizes
+        # (every node count up to 2,000 checked).
         sides = [p for p in powers_of_two(nodes) if p * 16 >= nodes and p < nodes]
         counts = set(sides) | {nodes - p for p in sides}
     return [c * gpus_per_node for c in sorted(c for c in counts if 1 <= c < nodes)]

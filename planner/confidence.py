@@ -180,6 +180,9 @@ def error_model(rows: Sequence[dict]) -> ErrorModel:
     pooled = _intra_group_correlation(
         [list(np.asarray(v) - np.mean(by_kind[kind])) for (kind, _), v in by_group.items()
          if correlation[kind] is not None])
+    # Without two groups of two cases anywhere, nothing measures the correlation: the
+    # errors are drawn independently (the widest re-ranking).
+    pooled = 0.0 if pooled is None else pooled
     return ErrorModel(log_errors={k: tuple(by_kind[k]) for k in WORK_KINDS},
                       correlation={k: pooled if c is None else c
                                    for k, c in correlation.items()})
@@ -188,6 +191,9 @@ def error_model(rows: Sequence[dict]) -> ErrorModel:
 def _row_kind(row: dict) -> str | None:
     if row.get("stage"):
         return STAGE_KINDS.get(row["stage"])
+    measures = row.get("measures")
+    if isinstance(measures, str):  # a group of one stage timer (the refit times)
+        return STAGE_KINDS.get(measures)
     if row["metric"] in GENERATION_METRICS:
         return "generate"
     if row["metric"] == "iteration_seconds":
@@ -222,17 +228,19 @@ def critical_path_shares(timeline: Sequence) -> dict[str, float]:
     if not events:
         return {"other": 1.0, **{k: 0.0 for k in WORK_KINDS if k != "other"}}
     ends = [e.end for e in events]
-    current = events[-1]
+    index = len(events) - 1
+    current = events[index]
     total = current.end
     epsilon = 1e-9 * max(1.0, total)
     while True:
         seconds[_event_kind(current)] += current.end - current.start
-        # The latest-ending event that ended by the time this one started.
-        i = _last_at_or_before(ends, current.start + epsilon)
-        if i < 0:
+        # The latest-ending event before this one (in end order, so the walk always moves
+        # back) that ended by the time this one started.
+        index = _last_at_or_before(ends, current.start + epsilon, index)
+        if index < 0:
             seconds["other"] += max(0.0, current.start)
             break
-        previous = events[i]
+        previous = events[index]
         seconds["other"] += max(0.0, current.start - previous.end)
         current = previous
     span = sum(seconds.values())
@@ -240,10 +248,11 @@ def critical_path_shares(timeline: Sequence) -> dict[str, float]:
         {"other": 1.0, **{k: 0.0 for k in WORK_KINDS if k != "other"}}
 
 
-def _last_at_or_before(sorted_ends: list[float], t: float) -> int:
+def _last_at_or_before(sorted_ends: list[float], t: float, below: int) -> int:
+    """The last index under ``below`` whose end is at or before ``t`` (-1 when none)."""
     import bisect
 
-    return bisect.bisect_right(sorted_ends, t) - 1
+    return bisect.bisect_right(sorted_ends, t, 0, below) - 1
 
 
 def _event_kind(event) -> str:

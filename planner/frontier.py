@@ -15,9 +15,10 @@ running batch (``running_cap``) and hence its generation time.
 
 from __future__ import annotations
 
-import math
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -443,15 +444,28 @@ CAP_GRID_SEQUENCES = 1024
 (their event loop is cheap)."""
 
 
-def _cap_grid(cap: int) -> tuple[int, int]:
-    """The grid points around ``cap`` (lo <= cap <= hi; equal when ``cap`` is one)."""
-    if cap <= CAP_GRID_FROM:
+@lru_cache(maxsize=64)
+def _grid_points(limit: int) -> tuple[int, ...]:
+    """The caps priced exactly up to ``limit`` (the most a replica can run at once): every cap
+    up to CAP_GRID_FROM, then steps of CAP_GRID_STEP, and ``limit`` itself."""
+    points = set(range(1, min(limit, CAP_GRID_FROM) + 1))
+    value = float(CAP_GRID_FROM)
+    while value < limit:
+        value *= 1 + CAP_GRID_STEP
+        points.add(min(limit, round(value)))
+    points.add(limit)
+    return tuple(sorted(points))
+
+
+def _cap_grid(cap: int, limit: int) -> tuple[int, int]:
+    """The grid points around ``cap`` (lo <= cap <= hi <= ``limit``; equal when ``cap`` is
+    one). The grid is fixed for a limit, so a grid point is always priced exactly, whatever
+    cap asked for it first."""
+    points = _grid_points(limit)
+    i = bisect.bisect_left(points, cap)
+    if i < len(points) and points[i] == cap:
         return cap, cap
-    k = math.floor(math.log(cap / CAP_GRID_FROM) / math.log1p(CAP_GRID_STEP))
-    lo = math.floor(CAP_GRID_FROM * (1 + CAP_GRID_STEP) ** k)
-    hi = math.ceil(CAP_GRID_FROM * (1 + CAP_GRID_STEP) ** (k + 1))
-    lo, hi = min(lo, cap), max(hi, cap)
-    return (cap, cap) if cap in (lo, hi) else (lo, hi)
+    return points[i - 1], points[min(i, len(points) - 1)]
 
 
 def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
@@ -467,7 +481,8 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
     search returns are priced again exactly (``estimate_plan``)."""
     if cap in table.seconds_by_cap:
         return table.seconds_by_cap[cap]
-    lo, hi = _cap_grid(cap) if lengths.sequences > CAP_GRID_SEQUENCES else (cap, cap)
+    limit = min(gen.max_num_seqs, lengths.sequences)
+    lo, hi = _cap_grid(cap, limit) if lengths.sequences > CAP_GRID_SEQUENCES else (cap, cap)
     if lo == hi:
         return _price_cap(job, node, gen, lengths, table, cap, gpus)
     low = _price_cap(job, node, gen, lengths, table, lo, gpus)

@@ -17,6 +17,7 @@ from planner.search import (
     placement_refusal,
 )
 from planner.space import SpaceOptions, set_sizes
+from profiles.datafile import SpecError
 from simulator.costs.memory import GIB, MemoryBreakdown
 from simulator.engine import SimulationResult, simulate_estimated
 from simulator.plan import Plan, job_as_planned
@@ -270,8 +271,13 @@ def plan_confidence(job: JobSpec, ranking: tuple[Evaluated, ...],
         finalists[label] = Finalist(
             label=label, mode=evaluated.plan.mode, value=value or 0.0, allowed=allowed,
             shares=critical_path_shares(evaluated.simulation.timeline))
-    return confidence(list(finalists.values()), validated_error_model(),
-                      unit="$" if by_cost else "s")
+    try:
+        model = validated_error_model()
+    except SpecError:
+        # A profile on HYBRIDFLOW_PROFILE_PATH that breaks a validation case: the plan
+        # stands, without its confidence (`hybridflow validate` names the problem).
+        return None
+    return confidence(list(finalists.values()), model, unit="$" if by_cost else "s")
 
 
 def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | None,

@@ -379,6 +379,8 @@ class Search:
             self.views[0].cluster.only_group().pool_key() == \
             other.views[0].cluster.only_group().pool_key() and \
             self.variants == other.variants and self.options.space == other.options.space \
+            and self.options.prune == other.options.prune \
+            and self.options.cache == other.options.cache \
             and replace(self.job, cluster=other.job.cluster) == other.job
 
     def _share_caches(self, other: Search) -> None:

@@ -339,7 +339,8 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
         rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
                      "measured": float(case["measured"]),
                      "predicted": predicted, "stage": "",
-                     "scale": case.get("scale"), "mode": plan.mode})
+                     "scale": case.get("scale"), "mode": plan.mode,
+                     **({"measures": measures} if measures is not None else {})})
         if not stages or not case.get("stages"):
             continue
         estimate = estimate_plan(job_as_planned(job, plan), plan)
@@ -514,7 +515,9 @@ def _bands(group: str, spec: dict, cases_file: Path,
                                                            stages=False)),
             goal=goal, nominal=summary_point("nominal", signed))
     except SpecError as exc:
-        raise (exc if exc.source else exc.within(f"{group}.bands", str(cases_file))) from None
+        # Named in the cases file (a band's framework variant is a temporary file).
+        key = f"{group}.bands" + (f" ({exc.key})" if exc.key else "")
+        raise SpecError(exc.problem, key=key, source=str(cases_file)) from None
 
 
 def _case_model(case: dict):

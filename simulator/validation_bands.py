@@ -25,8 +25,8 @@ far, but nothing here checks that).
 
 from __future__ import annotations
 
-import copy
 import itertools
+import json
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -156,7 +156,10 @@ def band_results(spec: Mapping, bands: Sequence[Band],
     results = []
     with tempfile.TemporaryDirectory(prefix="hybridflow-bands-") as scratch:
         def point(setting: Sequence[tuple[Band, Any]]) -> BandPoint:
-            variant = copy.deepcopy(dict(spec))
+            # Through JSON, not deepcopy: YAML anchors make cases share mappings (one
+            # workload for six cases), which a deep copy keeps shared and a band would then
+            # change once per case that shares it.
+            variant = json.loads(json.dumps(dict(spec)))
             for band, value in setting:
                 _apply(variant, band, value, Path(scratch))
             described = [(b.input, b.describe_point(v)) for b, v in setting]
@@ -213,6 +216,10 @@ def _verdict(points: Sequence[BandPoint], goal: Callable[[BandPoint], bool] | No
 
 def _apply(spec: dict, band: Band, value: Any, scratch: Path) -> None:
     """Set ``band`` to ``value`` (or multiply by it) in every case of ``spec`` it covers."""
+    if band.place == "device" and not any("job" in c for c in spec["cases"]):
+        # Cases without a job share the group's device: changed once.
+        spec["device"] = _device_variant(spec["device"], band, value)
+        return
     for case in _cases(spec, band):
         if band.place in ("job", "case"):
             target = case["job"] if band.place == "job" else case
@@ -251,8 +258,9 @@ def _framework_variant(framework: str, band: Band, value: Any, scratch: Path) ->
     """A framework profile file: ``framework`` with the band's setting changed."""
     from profiles.framework import load_framework
 
+    old = _get(load_framework(framework), band.path, band.key,
+               missing_leaf_ok=not band.factors)
     if band.factors:
-        old = _get(load_framework(framework), band.path, band.key)
         value = old * value
     settings: dict[str, Any] = {}
     inner = settings
@@ -267,34 +275,40 @@ def _framework_variant(framework: str, band: Band, value: Any, scratch: Path) ->
 
 
 def _set_device(spec: dict, case: dict, band: Band, value: Any) -> None:
-    """Point the case (or the group, for cases without a job) at an in-memory copy of its
-    device profile with the band's field changed."""
-    from profiles.device import load_profile, register_profile
-
-    def variant(name: str) -> str:
-        profile = load_profile(name)
-        new = value * _get(profile, band.path, band.key) if band.factors else value
-        return register_profile(_replaced(profile, band.path, new))
-
-    if "job" not in case:
-        spec["device"] = variant(spec["device"])
-        return
+    """Point the case's node groups at in-memory copies of their device profiles with the
+    band's field changed."""
     cluster = case["job"]["cluster"]
     for group in cluster.get("node_groups", [cluster]):
-        group["device"] = variant(group.get("device", "a100-80gb"))
+        group["device"] = _device_variant(group.get("device", "a100-80gb"), band, value)
 
 
-def _get(obj: Any, path: Sequence[str], key: str) -> Any:
-    for part in path:
+def _device_variant(name: str, band: Band, value: Any) -> str:
+    from profiles.device import load_profile, register_profile
+
+    profile = load_profile(name)
+    old = _get(profile, band.path, band.key, missing_leaf_ok=not band.factors)
+    new = value * old if band.factors else value
+    return register_profile(_replaced(profile, band.path, new))
+
+
+def _get(obj: Any, path: Sequence[str], key: str, *, missing_leaf_ok: bool = False) -> Any:
+    """The value at ``path`` in a profile (dataclass fields, or keys of a mapping in it); a
+    mapping may lack the last key when the band sets it (``missing_leaf_ok``)."""
+    for i, part in enumerate(path):
         if isinstance(obj, Mapping):  # a mapping of the profile (its corrections)
             if part not in obj:
+                if missing_leaf_ok and i == len(path) - 1:
+                    return None
                 raise SpecError(f"the profile has no {part!r} here to multiply; give values",
                                 key=key)
             obj = obj[part]
             continue
-        if not hasattr(obj, part):
+        if not hasattr(obj, part) or part.startswith("_"):
             raise SpecError(f"the profile has no field {part!r}", key=key)
         obj = getattr(obj, part)
+    if not missing_leaf_ok and not isinstance(obj, (int, float)):
+        raise SpecError(f"factors need a number here, the profile has {obj!r}; give values",
+                        key=key)
     return obj
 
 

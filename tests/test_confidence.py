@@ -119,3 +119,20 @@ def test_plan_prints_and_writes_its_confidence(tmp_path) -> None:
     assert 0 <= value["p_best"] <= 1 and value["expected_regret"] >= 0
     assert set(value["p_mode"]) == {"sync", "one_step_off", "async"}
     assert sum(value["p_mode"].values()) == pytest.approx(1.0)
+
+
+def test_the_critical_path_walk_ends_on_events_too_short_to_tell_apart() -> None:
+    """An event shorter than the walk's tolerance right after another: the walk still moves
+    back and ends."""
+    shares = critical_path_shares([_event("a", "train", 0, 100), _event("a", "infer", 100,
+                                                                         100 + 1e-8)])
+    assert shares["train"] == pytest.approx(1.0)
+
+
+def test_a_group_of_one_stage_timer_feeds_that_kind_of_work() -> None:
+    rows = [{"group": "refit", "metric": "refit_seconds", "stage": "", "measures": "refit",
+             "measured": 10.0, "predicted": 5.0},
+            {"group": "other", "metric": "refit_seconds", "stage": "", "measures": "refit",
+             "measured": 10.0, "predicted": 20.0}]
+    assert error_model(rows).log_errors["other"] == pytest.approx(
+        (math.log(0.5), math.log(2.0)))

@@ -358,19 +358,25 @@ def test_a_refusal_names_the_pin_that_leaves_a_role_no_layout() -> None:
 
 
 def test_the_grid_of_running_caps_brackets_every_cap() -> None:
-    """The search prices long-tailed batches at a geometric grid of caps (steps of 1/16) and
-    interpolates between the two grid points around a cap."""
+    """The search prices long-tailed batches at a fixed geometric grid of caps (steps of
+    1/16, up to the replica's limit) and interpolates between the two grid points around a
+    cap: a grid point is always itself (priced exactly whichever cap asked first), and no
+    grid point passes the limit (max_num_seqs or the replica's responses)."""
     from planner.frontier import CAP_GRID_FROM, CAP_GRID_STEP, _cap_grid
 
-    for cap in range(1, 5000):
-        lo, hi = _cap_grid(cap)
-        assert lo <= cap <= hi
-        if cap <= CAP_GRID_FROM:
-            assert lo == hi == cap
-        else:
-            assert hi - lo <= max(2, CAP_GRID_STEP * lo + 2)
+    for limit in (40, 1000, 1024):
+        for cap in range(1, limit + 1):
+            lo, hi = _cap_grid(cap, limit)
+            assert lo <= cap <= hi <= limit
+            assert _cap_grid(lo, limit) == (lo, lo) and _cap_grid(hi, limit) == (hi, hi)
+            if cap <= CAP_GRID_FROM or cap == limit:
+                assert lo == hi == cap
+            else:
+                assert hi - lo <= max(2, CAP_GRID_STEP * lo + 2)
     # Caps near one another share their grid points (what makes the grid cheap).
-    assert len({_cap_grid(c) for c in range(100, 1100)}) < 60
+    priced = {point for cap in range(100, 1025) for point in _cap_grid(cap, 1024)}
+    assert len(priced) < 45  # of 925 caps
+
 
 
 def test_the_report_prices_the_whole_weight_update_not_only_the_transition(tmp_path) -> None:

@@ -98,7 +98,9 @@ def test_a_framework_band_prices_the_framework_setting_it_names(tmp_path: Path) 
     ({"input": "x", "key": "case.prompt", "factors": [2.0], "reason": "r", "cases": ["no"]},
      "g.bands[0].cases"),
     ({"input": "x", "key": "case.nested.prompt", "factors": [2.0], "reason": "r"},
-     "g.bands.case.nested.prompt"),
+     "g.bands (case.nested.prompt)"),
+    ({"input": "x", "key": "device.overheads.decode_step_secs", "values": [0.1], "reason": "r"},
+     "g.bands (device.overheads.decode_step_secs)"),
 ])
 def test_a_bad_band_is_refused_with_its_key(tmp_path: Path, band: dict, key: str) -> None:
     with pytest.raises(SpecError) as caught:
@@ -154,3 +156,36 @@ def test_a_device_band_may_set_one_of_the_profiles_corrections(tmp_path: Path) -
     factors = {**spec, "bands": [{**spec["bands"][0], "values": [], "factors": [2.0]}]}
     with pytest.raises(SpecError, match="give values"):
         _group(tmp_path, factors)  # the shipped A100 profile has no decode correction
+
+
+def test_a_factor_band_is_applied_once_to_cases_that_share_a_mapping(tmp_path: Path) -> None:
+    """Cases written with a YAML anchor share one mapping: a factor still multiplies each
+    case's own value once (not once per case that shares it)."""
+    text = """
+g:
+  source: a test group
+  gate_mean_abs_error_pct: 1000
+  gate_max_abs_error_pct: 1000
+  device: a100-80gb
+  dtype: fp16
+  metric: latency_ms
+  bands:
+    - {input: prompt, key: case.shape.prompt, factors: [2.0], reason: a test}
+  cases:
+    - {model: gpt-6.7b, tp: 1, batch: 16, measured: 100.0, shape: &s {prompt: 512}}
+    - {model: gpt-6.7b, tp: 1, batch: 16, measured: 100.0, shape: *s}
+"""
+    from simulator.validation_bands import band_results, read_bands, summary_point
+
+    spec = yaml.safe_load(text)["g"]
+    assert spec["cases"][0]["shape"] is spec["cases"][1]["shape"]  # the anchor shares it
+    priced = []
+
+    def errors_of(variant: dict) -> list[float]:
+        priced.append([c["shape"]["prompt"] for c in variant["cases"]])
+        return [0.0]
+
+    band_results(spec, read_bands(spec, "g", "test"), errors_of, goal=None,
+                 nominal=summary_point("nominal", [0.0]))
+    assert priced == [[1024, 1024]]
+    assert [c["shape"]["prompt"] for c in spec["cases"]] == [512, 512]  # untouched
