@@ -5,7 +5,9 @@ For every case of the ``rlhf_step`` groups in ``simulator/data/validation_cases.
 measured step, the predicted one, each node's predicted seconds with its parts (decode, the
 engine's sleep and wake, offload, the reference swap), and the step again with every response
 at the mean length, which shows how much the length distribution (an assumption where the
-source publishes only the mean) decides. Prints; never asserts.
+source publishes only the mean) decides. For a group that measures one stage timer
+(``measures:``, the refit times) the measured and predicted figures are that stage's and its
+parts are listed. Prints; never asserts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from simulator.engine import simulate
 from simulator.plan import job_as_planned
 from simulator.predict import estimate_plan
 from simulator.specs.job import job_from_mapping
-from simulator.validation import CASES_FILE, case_plan
+from simulator.validation import CASES_FILE, _stage_seconds, case_plan
 
 
 def main() -> None:
@@ -30,9 +32,17 @@ def main() -> None:
             job = job_from_mapping(case["job"])
             plan = case_plan(job, case)
             estimate = estimate_plan(job_as_planned(job, plan), plan)
-            predicted = simulate(job, plan).iteration_seconds
-            print(f"  {case['name']} ({plan.mode}): measured {case['measured']:.1f} s, predicted "
-                  f"{predicted:.1f} s ({100 * (predicted / case['measured'] - 1):+.0f}%)")
+            measures = spec.get("measures")
+            what = "step"
+            if measures is not None:
+                parts_of = spec["stage_parts"][measures]
+                predicted = _stage_seconds(estimate, parts_of, str(CASES_FILE))
+                what = f"{measures} ({' + '.join(parts_of)})"
+            else:
+                predicted = simulate(job, plan).iteration_seconds
+            print(f"  {case['name']} ({plan.mode}): {what} measured {case['measured']:.1f} s, "
+                  f"predicted {predicted:.1f} s "
+                  f"({100 * (predicted / case['measured'] - 1):+.0f}%)")
             for name, node in estimate.nodes.items():
                 parts = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f}"
                                   for key, value in node.detail.items()
@@ -42,7 +52,7 @@ def main() -> None:
                 print(f"    {'actor.transition':<22} {estimate.transition.seconds:8.1f} s")
             fixed = copy.deepcopy(case["job"])
             response = fixed["workload"]["response_length"]
-            if isinstance(response, dict) and "mean" in response:
+            if measures is None and isinstance(response, dict) and "mean" in response:
                 fixed["workload"]["response_length"] = round(response["mean"])
                 fixed_job = job_from_mapping(fixed)
                 seconds = simulate(fixed_job, case_plan(fixed_job, case)).iteration_seconds

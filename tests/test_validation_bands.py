@@ -189,3 +189,20 @@ g:
                  nominal=summary_point("nominal", [0.0]))
     assert priced == [[1024, 1024]]
     assert [c["shape"]["prompt"] for c in spec["cases"]] == [512, 512]  # untouched
+
+
+def test_the_breakdown_tool_runs_every_whole_step_case_and_prices_stage_groups_as_stages(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/validation_breakdown.py: asynchronous rows included, and a group of one
+    stage timer compared on that stage (not on the whole step)."""
+    import importlib.util
+
+    path = CASES_FILE.parents[2] / "benchmarks" / "validation_breakdown.py"
+    spec = importlib.util.spec_from_file_location("validation_breakdown", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    out = capsys.readouterr().out
+    assert "7b async 16+16 H20 (async): step measured 294.8 s" in out
+    line = next(x for x in out.splitlines() if "llama3.1-8b 8xH100 dtensor" in x)
+    assert "refit (" in line and "measured 4.0 s" in line
