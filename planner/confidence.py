@@ -276,6 +276,7 @@ def confidence(finalists: Sequence[Finalist], model: ErrorModel, *, unit: str = 
         return None
     rng = np.random.default_rng(seed)
     count = len(finalists)
+    values = np.array([f.value for f in finalists])
     true_values = np.zeros((draws, count))
     for kind in WORK_KINDS:
         rho = model.correlation[kind]
@@ -285,7 +286,6 @@ def confidence(finalists: Sequence[Finalist], model: ErrorModel, *, unit: str = 
         own = rng.choice(samples, size=(draws, count)) - mean
         log_error = mean + math.sqrt(rho) * shared + math.sqrt(1 - rho) * own
         shares = np.array([f.shares.get(kind, 0.0) for f in finalists])
-        values = np.array([f.value for f in finalists])
         # Predicted time of this kind of work over its drawn error (predicted / measured).
         true_values += values * shares * np.exp(-log_error)
     winner = allowed[0]

@@ -16,7 +16,6 @@ state are listed under ``assumptions`` and printed with the group.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -312,7 +311,7 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
     case with ``stages`` adds one row per published stage timer (``stage_parts`` of the group
     says which of the simulator's nodes and parts each timer holds); stage rows are reported
     but the group's statistics are the whole steps'."""
-    from simulator.engine import simulate
+    from simulator.engine import simulate_estimated
     from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan
     from simulator.specs.job import job_from_mapping
@@ -323,7 +322,11 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
         source = f"{cases_file} ({group}.cases[{i}])"
         job = job_from_mapping(case["job"], source=source)
         plan = case_plan(job, case)
-        result = simulate(job, plan)
+        # One estimate serves the simulation, the measured stage and the stage rows.
+        plan.validate(job)
+        planned = job_as_planned(job, plan)
+        estimate = estimate_plan(planned, plan)
+        result = simulate_estimated(planned, plan, estimate)
         if not result.feasible:
             raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
                             source=source)
@@ -334,8 +337,7 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
             if measures not in stage_parts:
                 raise SpecError(f"measures {measures!r} has no entry in stage_parts",
                                 key=f"{group}.measures", source=str(cases_file))
-            predicted = _stage_seconds(estimate_plan(job_as_planned(job, plan), plan),
-                                       stage_parts[measures], source)
+            predicted = _stage_seconds(estimate, stage_parts[measures], source)
         rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
                      "measured": float(case["measured"]),
                      "predicted": predicted, "stage": "",
@@ -343,7 +345,6 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
                      **({"measures": measures} if measures is not None else {})})
         if not stages or not case.get("stages"):
             continue
-        estimate = estimate_plan(job_as_planned(job, plan), plan)
         for stage, measured in case["stages"].items():
             if stage not in stage_parts:
                 raise SpecError(f"stage {stage!r} has no entry in the group's stage_parts",
@@ -386,7 +387,7 @@ def run_validation(cases_file: Path = CASES_FILE, *,
         group_rows = _group_rows(group, spec, cases_file)
         rows.extend(group_rows)
         signed = _whole_step_errors(group_rows)
-        errors = [abs(e) for e in signed]
+        nominal = summary_point("nominal", signed)
         for key in ("gate_mean_abs_error_pct", "gate_max_abs_error_pct"):
             if not isinstance(spec.get(key), (int, float)):
                 raise SpecError("every group needs a number (its regression gate, in percent)",
@@ -399,10 +400,11 @@ def run_validation(cases_file: Path = CASES_FILE, *,
         moe = [_case_model(case).moe is not None for case in spec["cases"]]
         summaries.append(GroupSummary(
             group=group, source=" ".join(spec["source"].split()), cases=len(signed),
-            mean_abs_error_pct=sum(errors) / len(errors), max_abs_error_pct=max(errors),
+            mean_abs_error_pct=nominal.mean_abs_error_pct,
+            max_abs_error_pct=nominal.max_abs_error_pct,
             bias_pct=sum(signed) / len(signed),
             target_max_abs_error_pct=spec.get("target_max_abs_error_pct"),
-            median_abs_error_pct=float(statistics.median(errors)),
+            median_abs_error_pct=nominal.median_abs_error_pct,
             goal_median_abs_error_pct=spec.get("goal_median_abs_error_pct"),
             gate_mean_abs_error_pct=float(spec["gate_mean_abs_error_pct"]),
             gate_max_abs_error_pct=float(spec["gate_max_abs_error_pct"]),
@@ -414,7 +416,7 @@ def run_validation(cases_file: Path = CASES_FILE, *,
             first_seen=None if "first_seen" not in spec else from_mapping(
                 FirstSeen, spec["first_seen"], source=str(cases_file),
                 key_prefix=f"{group}.first_seen"),
-            bands=_bands(group, spec, cases_file, signed) if bands else ()))
+            bands=_bands(group, spec, cases_file, nominal) if bands else ()))
     return pd.DataFrame(rows), summaries
 
 
@@ -496,7 +498,7 @@ def _summary_from_mapping(data: dict) -> GroupSummary:
 
 
 def _bands(group: str, spec: dict, cases_file: Path,
-           signed: list[float]) -> tuple[BandResult, ...]:
+           nominal: BandPoint) -> tuple[BandResult, ...]:
     """The group's error over each of its assumption bands, and over all of them together."""
     bands = read_bands(spec, group, str(cases_file))
     goal_median = spec.get("goal_median_abs_error_pct")
@@ -513,7 +515,7 @@ def _bands(group: str, spec: dict, cases_file: Path,
             spec, bands,
             lambda variant: _whole_step_errors(_group_rows(group, variant, cases_file,
                                                            stages=False)),
-            goal=goal, nominal=summary_point("nominal", signed))
+            goal=goal, nominal=nominal)
     except SpecError as exc:
         # Named in the cases file (a band's framework variant is a temporary file).
         key = f"{group}.bands" + (f" ({exc.key})" if exc.key else "")
