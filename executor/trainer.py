@@ -205,15 +205,16 @@ class Trainer:
         self.fsdp = par.sharding == "fsdp" and par.dp > 1
         if not (self.fsdp and trainable):
             model.to(self.dtype)
+        tp_mesh, shard_mesh = self._tp_and_shard_meshes(par)
         if par.tp > 1:
-            parallelize_module(model, self.mesh["tp"], tensor_parallel_plan(spec, value_head))
+            parallelize_module(model, tp_mesh, tensor_parallel_plan(spec, value_head))
             if spec.tied_embeddings and not value_head:
                 model.lm_head.weight = model.model.embed_tokens.weight
         if self.fsdp:
             policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
             for layer in model.model.layers:
-                fully_shard(layer, mesh=self.mesh["dp"], mp_policy=policy)
-            fully_shard(model, mesh=self.mesh["dp"], mp_policy=policy)
+                fully_shard(layer, mesh=shard_mesh, mp_policy=policy)
+            fully_shard(model, mesh=shard_mesh, mp_policy=policy)
         model.to_empty(device=worker_device())
         if spec.tied_embeddings and not value_head and not self.fsdp:
             model.lm_head.weight = model.model.embed_tokens.weight  # to_empty untied them
@@ -242,6 +243,18 @@ class Trainer:
                                                lr=self.optim.lr,
                                                weight_decay=self.optim.weight_decay,
                                                foreach=True)
+
+    def _tp_and_shard_meshes(self, par: ParallelConfig) -> tuple[DeviceMesh, DeviceMesh]:
+        """The tensor-parallel mesh and the mesh FSDP2 shards over: the dp dimension, or under
+        hybrid sharding the (replicate, shard) dimensions of a (replicate, shard, tp) mesh,
+        on which ``fully_shard`` shards inside a group and all-reduces across groups. Its
+        ranks are the (dp, tp) mesh's (dp rank = replicate * shard size + shard rank), and
+        tensor parallelism takes its dimension from the same mesh, as FSDP2 wants."""
+        if not par.fsdp_size:
+            return self.mesh["tp"], self.mesh["dp"]
+        hybrid = shared_mesh((par.fsdp_replicas, par.fsdp_shards, par.tp),
+                             ("replicate", "shard", "tp"))
+        return hybrid["tp"], hybrid["replicate", "shard"]
 
     # ----- forward -----
 

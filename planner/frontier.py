@@ -142,8 +142,8 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
             # micro-batch or recompute mode.
             par = plan.parallel
             scheme = transition_scheme_of(job, plan)
-            key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, plan.generation,
-                   scheme)
+            key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, par.fsdp_size,
+                   plan.generation, scheme)
             if key not in switches:
                 switches[key] = transition(model, profile, par, plan.generation, dtype=dtype,
                                            gpus_per_node=gpn, scheme=scheme).seconds
@@ -178,7 +178,7 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
         # the training micro-batch or recompute mode: those layouts share it.
         key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel,
                par.ep, par.etp, par.moe_dispatcher, par.offload_params,
-               par.infer_micro_batch_tokens) \
+               par.infer_micro_batch_tokens, par.ulysses, par.fsdp_size) \
             if node.operation == "infer" else None
         cost = forwards.get(key) if key is not None else None
         if cost is None:

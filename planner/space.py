@@ -435,14 +435,16 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         # (nemo_rl_tp_micro_batches): that micro-batch is tried too.
         required = job.workload.infer_micro_batch_size \
             if "nemo_rl_tp_micro_batches" in space.batch_rules and layout.tp >= 4 else None
-        knobs = [(ep_etp, batching, recompute, offload, sp)
+        knobs = [(ep_etp, batching, recompute, offload, sp, group)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
                  for batching in _batchings(job, trained, engine, pins, options, required)
                  for recompute in _recomputes(trained, engine, pins, options, variant)
                  for offload in _offloads(trained, engine, job)
-                 for sp in ulysses_sizes(job, role, layout, gpus)]
+                 for sp in ulysses_sizes(job, role, layout, gpus)
+                 for group in fsdp_group_sizes(job, role, layout, gpus)]
         for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
-                                                                 offload_optimizer), sp in knobs:
+                                                                 offload_optimizer), sp, \
+                group in knobs:
             par = ParallelConfig(
                 tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
                 vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
@@ -451,7 +453,8 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
                 ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"),
                 offload_params=offload_params, offload_optimizer=offload_optimizer,
-                micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens, ulysses=sp)
+                micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens, ulysses=sp,
+                fsdp_size=group)
             if not meets_batch_rules(job, role, par, space, engine.family):
                 continue
             backend = "torch" if engine.family == "torch" and torch_runs(par) \
@@ -490,6 +493,27 @@ def ulysses_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[in
     if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
         return [1]
     return [s for s in powers_of_two(min(job.cluster.gpus_per_node, dp)) if fits(s)]
+
+
+def fsdp_group_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:
+    """FSDP group sizes to try (``ParallelConfig.fsdp_size``; 0: every data-parallel rank):
+    pinned, else 0 and, on an engine with hybrid sharding whose ranks span several nodes, groups
+    of whole nodes (one, two, four, ... nodes' ranks, fewer than all): inside a node the
+    per-layer gathers stay on NVLink; across groups only the gradient shards travel."""
+    pin = job.parallel.get(role)
+    pinned = pin.fsdp_size if pin is not None else None
+    if layout.sharding != "fsdp":
+        return [] if pinned else [0]
+    dp = gpus // (layout.tp * layout.pp)
+    if pinned:
+        return [0] if pinned == dp else (
+            [pinned] if layout.engine.hybrid_shard and 1 < pinned < dp and dp % pinned == 0
+            else [])
+    node_ranks = job.cluster.gpus_per_node // layout.tp
+    if not layout.engine.hybrid_shard or node_ranks < 2 or dp <= node_ranks:
+        return [0]
+    sizes = [node_ranks * k for k in powers_of_two(dp // node_ranks)]
+    return [0] + [s for s in sizes if s < dp and dp % s == 0]
 
 
 def _offloads(trained: bool, engine: EngineSpace, job: JobSpec) -> list[tuple[bool, bool]]:

@@ -54,6 +54,9 @@ class EngineSpace:
     ulysses: bool = False
     """DeepSpeed-Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each
     sequence's tokens split over sp ranks, heads exchanged by all-to-all around attention."""
+    hybrid_shard: bool = False
+    """FSDP in groups of fewer than every data-parallel rank, each group holding a whole copy
+    (hybrid sharding: verl's fsdp_size, FSDP2's 2-D mesh); searched at whole nodes."""
     trained_sharding: tuple[ShardingName, ...] = ("fsdp",)
     """How a trained model with more than one data-parallel rank shards its states (one GPU
     keeps its model whole)."""

@@ -42,18 +42,24 @@ LAYOUTS = {
     # fp32: no master copies, the weights are the optimizer's.
     "fp32-actor-tp2": ("tiny-2l", 2, 1, "none", False, True),
     "fp32-critic-fsdp-dp2": ("tiny-2l", 1, 2, "fsdp", True, True),
+    # Hybrid sharding: two groups of two ranks, each group holding one copy.
+    "actor-hsdp-dp4-groups-of-2": ("tiny-2l", 1, 4, "fsdp", False, True),
 }
+FSDP_SIZES = {"actor-hsdp-dp4-groups-of-2": 2}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_executor_state_bytes_are_the_simulators_breakdown(name: str, tmp_path: Path) -> None:
     preset, tp, dp, sharding, value_head, trainable = LAYOUTS[name]
     dtype = "fp32" if name.startswith("fp32") else "bf16"
+    fsdp_size = FSDP_SIZES.get(name, 0)
     layout = {"preset": preset, "tp": tp, "dp": dp, "sharding": sharding,
-              "value_head": value_head, "trainable": trainable, "dtype": dtype}
+              "value_head": value_head, "trainable": trainable, "dtype": dtype,
+              "fsdp_size": fsdp_size}
     ranks = run(layout, tmp_path)
     spec = MODEL_PRESETS[preset]
-    par = ParallelConfig(tp=tp, dp=dp, sharding=sharding, sequence_parallel=False)
+    par = ParallelConfig(tp=tp, dp=dp, sharding=sharding, sequence_parallel=False,
+                         fsdp_size=fsdp_size)
     predicted = optimizer_memory(spec, par, value_head=value_head, trainable=trainable,
                                  dtype=dtype)
     if sharding == "fsdp":
@@ -84,6 +90,21 @@ def test_executor_state_bytes_are_the_simulators_breakdown(name: str, tmp_path: 
             assert r["weight_dtypes"] == ["torch.float32"]  # FSDP2's fp32 shards
         if trainable and not value_head:
             assert r["losses"][1] < r["losses"][0]
+
+
+def test_hybrid_sharding_trains_as_plain_fsdp(tmp_path: Path) -> None:
+    # Groups of two ranks that each hold a copy, their gradient shards all-reduced across the
+    # groups, take the same steps as one FSDP group of all four ranks (fp32: only the order
+    # of the sums differs).
+    base = {"preset": "tiny-2l", "value_head": False, "trainable": True, "dtype": "fp32",
+            "sharding": "fsdp", "tp": 1, "dp": 4}
+    plain = run(base, tmp_path)
+    hybrid = run({**base, "fsdp_size": 2}, tmp_path)
+    assert hybrid[0]["trained"]["params"] == pytest.approx(2 * plain[0]["trained"]["params"])
+    for a, b in zip(plain, hybrid, strict=True):
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+        assert [x for row in b["inferred"] for x in row] == pytest.approx(
+            [x for row in a["inferred"] for x in row], rel=1e-4, abs=1e-5)
 
 
 def test_bf16_layouts_agree_with_one_gpu(tmp_path: Path) -> None:

@@ -53,7 +53,8 @@ CASES = [pytest.param(f, a, g, m, id=f"{f}-{a}-{g}gpu-{m}")
          for g in SIZES for m in MODES]
 
 
-def matrix_job(framework: str, name: str, gpus: int, mode: str) -> JobSpec:
+def matrix_job(framework: str, name: str, gpus: int, mode: str,
+               parallel: dict | None = None) -> JobSpec:
     algorithm, kl, models, samples = ALGORITHMS[name]
     data: dict = {
         "name": f"matrix-{framework}-{name}", "algorithm": algorithm, "framework": framework,
@@ -71,6 +72,8 @@ def matrix_job(framework: str, name: str, gpus: int, mode: str) -> JobSpec:
         data.update(max_staleness=2, partial_rollout=True)
     if models.get("reward") == "rule":
         data["reward_function"] = {"path": str(SUMS)}
+    if parallel:
+        data["parallel"] = parallel
     return job_from_mapping(data)
 
 
@@ -170,3 +173,25 @@ def test_the_default_jobs_plan_exports_to_verl_and_to_openrlhf(tiny_model: Path)
     for framework in ("verl", "openrlhf"):
         files = export_files(plan, job, framework)
         framework_accepts(framework, files, tiny_model)
+
+
+def test_a_hybrid_sharded_plan_exports_passes_verl_and_round_trips(tiny_model: Path,
+                                                                    tmp_path: Path) -> None:
+    # verl's FSDP engine in groups of one node (fsdp_size 8) on 64 GPUs: the export writes the
+    # group, verl composes it, and the import reads it back at the same price.
+    job = matrix_job("verl", "grpo", 64, "sync",
+                     parallel={"actor": {"fsdp_size": 8}, "ref": {"fsdp_size": 16}})
+    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend="fsdp"))
+    best = Search(job, options).run().best
+    assert best is not None
+    plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
+    assert (plan.roles["actor"].parallel.fsdp_size, plan.roles["ref"].parallel.fsdp_size) \
+        == (8, 16)
+    files = export_files(plan, job, "verl")
+    assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=8" in files["verl_overrides.txt"]
+    framework_accepts("verl", files, tiny_model)
+    back_job, back = reimported("verl", job, files, tmp_path)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)

@@ -141,7 +141,7 @@ def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
      "actor_rollout_ref.actor.megatron.context_parallel_size"),
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_rank"),
-    ("actor_rollout_ref.actor.fsdp_config.fsdp_size=4",
+    ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
      "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
     ("algorithm.adv_estimator=rloo", "algorithm.adv_estimator"),
 ])
@@ -217,6 +217,21 @@ def test_import_then_plan_against_it(tmp_path: Path) -> None:
     # Bad input: one line, exit 2.
     bad = run("import", str(script), "--from", "verl")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--device" in bad.stderr
+
+
+def test_hybrid_sharding_groups(tmp_path: Path) -> None:
+    # fsdp_size 8 on two nodes: two groups of a node each (verl's (ddp, fsdp) mesh); the
+    # reference keeps its own size.
+    text = GRPO_SCRIPT.replace("use_kl_loss=False", "use_kl_loss=True").replace(
+        "    trainer.n_gpus_per_node=8", """\
+    actor_rollout_ref.actor.fsdp_config.fsdp_size=8 \\
+    actor_rollout_ref.ref.fsdp_config.fsdp_size=-1 \\
+    trainer.n_gpus_per_node=8""")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    _, plan = import_verl(launch, ImportContext(device="h100-80gb"))
+    actor, ref = plan.roles["actor"].parallel, plan.roles["ref"].parallel
+    assert (actor.sharding, actor.dp, actor.fsdp_size, actor.fsdp_replicas) == ("fsdp", 16, 8, 2)
+    assert (ref.sharding, ref.fsdp_size) == ("fsdp", 0)
 
 
 def test_token_budgets_and_host_memory_between_calls(tmp_path: Path) -> None:

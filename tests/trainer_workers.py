@@ -51,12 +51,14 @@ def train_and_measure(rank: int, world: int, rendezvous: str, layout: dict,
     join(rank, world, rendezvous)
     spec = MODEL_PRESETS[layout["preset"]]
     par = ParallelConfig(tp=layout["tp"], dp=layout["dp"], sharding=layout["sharding"],
-                         sequence_parallel=False, micro_batch_size=2)
+                         sequence_parallel=False, micro_batch_size=2,
+                         fsdp_size=layout.get("fsdp_size", 0))
     value_head = layout["value_head"]
     trainer = Trainer(spec, par, value_head=value_head, seed=0, trainable=layout["trainable"],
                       optim=OptimConfig(lr=1e-3), dtype=layout["dtype"])
     built = trainer.state_bytes()
-    ids = torch.randint(0, spec.vocab, (4, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, spec.vocab, (2 * max(2, par.dp), 9),
+                        generator=torch.Generator().manual_seed(1))
     mine = ids[trainer.dp_rank * 2:(trainer.dp_rank + 1) * 2]
 
     def loss_fn(model: Trainer, batch: dict) -> tuple[torch.Tensor, dict]:

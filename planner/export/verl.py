@@ -129,8 +129,9 @@ def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key:
             raise SpecError(f"verl 0.9's FSDP engine has no tensor or pipeline parallelism "
                             f"({role}: {par.short()}); set tp: 1 and pp: 1, or train every "
                             "model with Megatron (sharding: optimizer)", key=key)
-        # fsdp_size: the sharding group; 1 keeps whole replicas (plain data parallelism).
-        return [f"{prefix}.{fsdp_key}.fsdp_size={par.dp if par.sharding == 'fsdp' else 1}"]
+        # fsdp_size: the sharding group (every rank, or a hybrid-sharding group of them); 1
+        # keeps whole replicas (plain data parallelism).
+        return [f"{prefix}.{fsdp_key}.fsdp_size={par.fsdp_shards}"]
     if par.sharding == "fsdp":
         raise SpecError(f"verl 0.9's Megatron engine shards optimizer states, not FSDP-style "
                         f"({role}: {par.short()}); set sharding: optimizer",

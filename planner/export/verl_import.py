@@ -399,7 +399,7 @@ def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: s
     grad, param = job.overlap_for(role)
     if s.engine == "fsdp":
         fsdp_key = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
-        sharding = _fsdp_sharding(s, f"{fsdp_key}.fsdp_size", gpus)
+        sharding, group = _fsdp_sharding(s, f"{fsdp_key}.fsdp_size", gpus)
         recompute = "full" if s.bool(f"{model_prefix}.enable_gradient_checkpointing") \
             else "none"
         par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
@@ -409,7 +409,8 @@ def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: s
                              offload_params=s.bool(f"{fsdp_key}.param_offload"),
                              offload_optimizer=s.bool(f"{fsdp_key}.optimizer_offload"),
                              micro_batch_tokens=tokens, infer_micro_batch_tokens=forward_tokens,
-                             ulysses=s.int(f"{prefix}.ulysses_sequence_parallel_size", 1))
+                             ulysses=s.int(f"{prefix}.ulysses_sequence_parallel_size", 1),
+                             fsdp_size=group)
         return RolePlan(parallel=par, training_backend="torch")
     par = _megatron(s, f"{prefix}.megatron", gpus, trained=True, mbs=mbs,
                     overlap=(grad, param))
@@ -418,14 +419,21 @@ def _trained(role: str, s: VerlSettings, gpus: int, prefix: str, model_prefix: s
                     training_backend="megatron")
 
 
-def _fsdp_sharding(s: VerlSettings, key: str, gpus: int) -> str:
+def _fsdp_sharding(s: VerlSettings, key: str, gpus: int) -> tuple[str, int]:
+    """(sharding, FSDP group size; 0 = every GPU) of an fsdp_size: verl shards over every GPU
+    for -1 or at least the world, keeps whole replicas for 1, and otherwise builds a
+    (world / fsdp_size, fsdp_size) hybrid-sharding mesh (verl/workers/engine/fsdp/utils.py
+    create_device_mesh)."""
     size = s.int(key)
     if size == 1 or gpus == 1:
-        return "none"
-    if size in (-1, gpus):
-        return "fsdp"
-    raise SpecError(f"{size}: hybrid sharding (FSDP groups of {size} of the {gpus} GPUs) is not "
-                    "priced; set -1 (every GPU) or 1 (whole replicas)", key=key)
+        return "none", 0
+    if size == -1 or size >= gpus:
+        return "fsdp", 0
+    if size < 1 or gpus % size:
+        raise SpecError(f"{size}: an FSDP group size must divide the {gpus} GPUs (hybrid "
+                        "sharding in whole groups), or be -1 (every GPU) or 1 (whole replicas)",
+                        key=key)
+    return "fsdp", size
 
 
 def _megatron(s: VerlSettings, prefix: str, gpus: int, *, trained: bool, mbs: int,
@@ -460,8 +468,9 @@ def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
     grad, param = job.overlap_for("ref")
     _, forward_tokens = _budgets(s, "ref", job)
     if s.engine == "fsdp":
-        sharding = _fsdp_sharding(s, "actor_rollout_ref.ref.fsdp_config.fsdp_size", gpus)
+        sharding, group = _fsdp_sharding(s, "actor_rollout_ref.ref.fsdp_config.fsdp_size", gpus)
         par = ParallelConfig(tp=1, pp=1, dp=gpus, sharding=sharding,  # type: ignore[arg-type]
+                             fsdp_size=group,
                              recompute="none", sequence_parallel=False, micro_batch_size=mbs,
                              overlap_grad_reduce=grad, overlap_param_gather=param,
                              offload_params=s.bool("actor_rollout_ref.ref.fsdp_config."

@@ -10,7 +10,7 @@ from functools import lru_cache
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
-from simulator.costs.training import data_parallel_span, expert_parallel_span
+from simulator.costs.training import expert_parallel_span, fsdp_group_span
 from simulator.costs.transformer import (
     LOSS_BYTES_PER_VOCAB_ENTRY,
     AttentionImpl,
@@ -74,7 +74,7 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
-                                    par.dp, span=data_parallel_span(par, gpus_per_node),
+                                    par.fsdp_shards, span=fsdp_group_span(par, gpus_per_node),
                                     correction="train_collective")
         per_layer_compute = forward + tp_comm
         overlap = profile.kind == "gpu"  # on a CPU the gathers compete for the same cores
@@ -110,7 +110,7 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local
     if par.sharding == "fsdp":
         weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
-                                    etp=par.etp) / par.dp \
+                                    etp=par.etp) / par.fsdp_shards \
             * DTYPE_BYTES[dtype]
     else:
         weights = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,

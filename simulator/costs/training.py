@@ -78,9 +78,10 @@ def optimizer_state_bytes_per_param(dtype: str) -> int:
 
 
 def fsdp_local_param_count(model: ModelSpec, par: ParallelConfig, *, value_head: bool) -> float:
-    """Parameters of one FSDP rank: its tensor-parallel share, split over the dp ranks."""
+    """Parameters of one FSDP rank: its tensor-parallel share, split over the ranks of its
+    FSDP group (every dp rank, or ``fsdp_size`` of them under hybrid sharding)."""
     return stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
-                             etp=par.etp) / par.dp
+                             etp=par.etp) / par.fsdp_shards
 
 
 def optimizer_memory(model: ModelSpec, par: ParallelConfig, *, value_head: bool,
@@ -128,6 +129,20 @@ def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
     parallelism innermost), and every rank of the node reduces at the same moment (each
     model-parallel rank has its own data-parallel group)."""
     return group_span(par.dp, par.tp, gpus_per_node,
+                      busy_ranks_per_node=par.tp * par.dp * par.pp)
+
+
+def fsdp_group_span(par: ParallelConfig, gpus_per_node: int) -> Span:
+    """Where one FSDP group sits: ``fsdp_shards`` consecutive data-parallel ranks (``tp``
+    apart), every rank of the node gathering at the same moment."""
+    return group_span(par.fsdp_shards, par.tp, gpus_per_node,
+                      busy_ranks_per_node=par.tp * par.dp * par.pp)
+
+
+def fsdp_replica_span(par: ParallelConfig, gpus_per_node: int) -> Span:
+    """Where one rank's hybrid-sharding replicas sit: ``fsdp_replicas`` ranks, one per FSDP
+    group, ``tp * fsdp_shards`` apart."""
+    return group_span(par.fsdp_replicas, par.tp * par.fsdp_shards, gpus_per_node,
                       busy_ranks_per_node=par.tp * par.dp * par.pp)
 
 
@@ -224,15 +239,22 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
 
     fsdp_exposed = 0.0
     if par.sharding == "fsdp" and par.dp > 1:
-        dp_span = data_parallel_span(par, gpus_per_node)
+        shard_span = fsdp_group_span(par, gpus_per_node)
         layer_weights = model.params_per_layer / par.tp * b
-        gather = all_gather_seconds(profile, layer_weights, par.dp, span=dp_span,
+        layer_grads = model.params_per_layer / par.tp * MAIN_GRAD_BYTES
+        gather = all_gather_seconds(profile, layer_weights, par.fsdp_shards, span=shard_span,
                                     correction=TRAIN)
-        scatter = reduce_scatter_seconds(profile, model.params_per_layer / par.tp
-                                         * MAIN_GRAD_BYTES, par.dp, span=dp_span,
-                                         correction=TRAIN)
+        scatter = reduce_scatter_seconds(profile, layer_grads, par.fsdp_shards,
+                                         span=shard_span, correction=TRAIN)
+        # Hybrid sharding: each layer's reduce-scattered gradient shard is then all-reduced
+        # over the groups that hold the same shard (FSDP2's all-reduce over the replicate
+        # dimension of its 2-D mesh, after the reduce-scatter).
+        replicate = all_reduce_seconds(profile, layer_grads / par.fsdp_shards,
+                                       par.fsdp_replicas,
+                                       span=fsdp_replica_span(par, gpus_per_node),
+                                       correction=TRAIN) if par.fsdp_replicas > 1 else 0.0
         fwd_comm = gather
-        bwd_comm = gather + scatter
+        bwd_comm = gather + scatter + replicate
         fwd_compute = forward + layer.tp_training_forward_seconds
         bwd_compute = backward + layer.tp_backward_seconds + recompute_extra
         # On a CPU the collectives run on the cores that compute: nothing overlaps.

@@ -105,7 +105,7 @@ def micro_dp_span(train: ParallelConfig, gen: GenerationConfig, gpus_per_node: i
     group reaches into other stages, usually on other nodes. Every rank gathers at the same
     moment, sharing its node's NICs. FSDP (no pipeline) shards over consecutive ranks."""
     if train.sharding == "fsdp":
-        group = max(1, train.world_size // gen.model_parallel_size)
+        group = max(1, train.weight_shards // gen.model_parallel_size)
         return group_span(group, 1, gpus_per_node, busy_ranks_per_node=train.world_size)
     tp_part = max(1, train.tp // gen.tp)
     pp_part = max(1, train.pp // gen.pp)
@@ -129,19 +129,21 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
     weights = model.params() * DTYPE_BYTES[dtype]
     expert_weights = model.expert_params() * DTYPE_BYTES[dtype]
     dense_weights = weights - expert_weights
-    world = train.world_size
-    train_shards = train.world_size if train.sharding == "fsdp" else train.model_parallel_size
+    train_shards = train.weight_shards
+    # A tensor gathered "on every GPU" is gathered over the GPUs sharing one copy of it: all of
+    # them, or one hybrid-sharding group (the other groups hold the same shards).
+    world = train_shards if train.sharding == "fsdp" else train.world_size
     gen_shards = gen.model_parallel_size
     volume = transition_volume_bytes(scheme, dense_weights, train_shards=train_shards,
                                      gen_shards=gen_shards, world=world)
-    expert_train = world if train.sharding == "fsdp" else train.ep * train.etp * train.pp
+    expert_train = train_shards if train.sharding == "fsdp" else train.ep * train.etp * train.pp
     expert_gen = max(gen.tp, gen.ep) * gen.pp
     expert_volume = max(0.0, transition_volume_bytes(
         scheme, expert_weights, train_shards=expert_train, gen_shards=expert_gen, world=world))
     volume = max(0.0, volume) + expert_volume
     if scheme == "all_gpus":
         group = world
-        span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=world)
+        span = group_span(group, 1, gpus_per_node, busy_ranks_per_node=train.world_size)
         peak = weights
         redundant = weights / world
     elif scheme == "train_group":
@@ -174,7 +176,8 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         # whole on one of ep ranks, or cut over etp), consecutive in Megatron's order.
         expert_group = {"all_gpus": world, "train_group": expert_train}.get(
             scheme, max(2, expert_train // expert_gen))
-        expert_span = group_span(expert_group, 1, gpus_per_node, busy_ranks_per_node=world)
+        expert_span = group_span(expert_group, 1, gpus_per_node,
+                                 busy_ranks_per_node=train.world_size)
         fraction = expert_volume / expert_weights
         seconds += sum(count * all_gather_seconds(
             profile, elements * DTYPE_BYTES[dtype] * fraction * expert_group

@@ -57,14 +57,14 @@ def weight_sync(model: ModelSpec, trainer: DeviceProfile, link: DeviceProfile,
     holding its shards (on ``trainer``'s links) and a broadcast to ``rollout_gpus`` ranks
     over ``link`` (the link between the two sets)."""
     element_bytes = DTYPE_BYTES[dtype]
-    shards = train.world_size if train.sharding == "fsdp" else train.model_parallel_size
+    shards = train.weight_shards
     span = group_span(shards, 1, gpus_per_node)
     gather = broadcast = 0.0
     count = 0
     total = 0.0
     # An MoE model's routed experts are whole on one expert-parallel rank each (or cut over
     # etp): they are gathered over etp only, the rest over the tensor x pipeline shards.
-    expert_shards = train.world_size if train.sharding == "fsdp" else train.etp
+    expert_shards = train.weight_shards if train.sharding == "fsdp" else train.etp
     parts = ((weight_tensors(model, part="dense"), shards, span),
              (weight_tensors(model, part="experts"), expert_shards,
               group_span(expert_shards, 1, gpus_per_node)))

@@ -64,6 +64,9 @@ class RolePin:
     enable_expert_parallel; 1: none)."""
     ulysses: int | None = None
     """Ulysses sequence-parallel ranks (verl's ulysses_sequence_parallel_size)."""
+    fsdp_size: int | None = None
+    """FSDP hybrid sharding: ranks per sharding group (verl's fsdp_size); the data-parallel
+    ranks, or leave it out, for plain FSDP."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -97,6 +100,12 @@ def _check_pin_layout(pin: RolePin, model: ModelSpec, *, key: str) -> None:
         raise SpecError("FSDP shards whole layers across data-parallel ranks and does not "
                         "combine with pipeline parallelism here; pin pp: 1 or another sharding",
                         key=f"{key}.sharding")
+    if pin.fsdp_size is not None and pin.sharding not in (None, "fsdp"):
+        raise SpecError(f"hybrid sharding groups belong to FSDP; pin sharding: fsdp or drop "
+                        f"fsdp_size (sharding is {pin.sharding})", key=f"{key}.fsdp_size")
+    if pin.fsdp_size == 1:
+        raise SpecError("an FSDP group of one rank shards nothing: pin sharding: none for "
+                        "whole replicas, or fsdp_size >= 2", key=f"{key}.fsdp_size")
     if pin.generation_pp and pin.generation_pp > model.layers:
         raise SpecError(f"generation_pp={pin.generation_pp} is more stages than the "
                         f"{model.layers} layers of {model.name}", key=f"{key}.generation_pp")

@@ -102,6 +102,12 @@ class ParallelConfig:
     offload_optimizer: bool = False
     """The same for the optimizer states (and fp32 master weights) around each update
     (verl's optimizer_offload)."""
+    fsdp_size: int = 0
+    """FSDP only: hybrid sharding (HSDP). Each parameter, gradient and optimizer state is
+    split over groups of this many consecutive dp ranks and replicated over the dp /
+    fsdp_size groups: weights are all-gathered and gradients reduce-scattered inside a
+    group, then the gradient shards all-reduced across the groups (verl's fsdp_size; FSDP2's
+    2-D (replicate, shard) mesh). 0: one group of every dp rank (plain FSDP)."""
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __hash__(self) -> int:
@@ -124,12 +130,24 @@ class ParallelConfig:
                 "ranks that share sequences)", "ulysses")
         require(self.ulysses == 1 or self.pp == 1,
                 "Ulysses sequence parallelism runs without pipeline stages; use pp: 1", "ulysses")
+        require(self.fsdp_size >= 0, f"must be >= 0 (0: shard over every dp rank), got "
+                f"{self.fsdp_size}", "fsdp_size")
+        if self.fsdp_size:
+            require(self.sharding == "fsdp", "hybrid sharding groups need sharding: fsdp "
+                    "(drop fsdp_size for other layouts)", "fsdp_size")
+            require(self.fsdp_size > 1, "a group of one rank shards nothing: use sharding: "
+                    "none for whole replicas, or fsdp_size >= 2", "fsdp_size")
+            require(self.dp % self.fsdp_size == 0,
+                    f"fsdp_size={self.fsdp_size} must divide dp={self.dp} (whole groups of "
+                    "ranks each hold one copy)", "fsdp_size")
+            if self.fsdp_size == self.dp:
+                object.__setattr__(self, "fsdp_size", 0)  # one group of all: plain FSDP
         object.__setattr__(self, "_hash", hash((
             self.tp, self.pp, self.dp, self.vpp, self.sharding, self.sequence_parallel,
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
             self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher,
             self.offload_params, self.offload_optimizer, self.micro_batch_tokens,
-            self.infer_micro_batch_tokens, self.ulysses)))
+            self.infer_micro_batch_tokens, self.ulysses, self.fsdp_size)))
 
     @property
     def data_shards(self) -> int:
@@ -146,9 +164,29 @@ class ParallelConfig:
         """GPUs holding one copy of the model (training shard = 1 / this, without FSDP)."""
         return self.pp * self.tp
 
+    @property
+    def fsdp_shards(self) -> int:
+        """Data-parallel ranks one FSDP group splits each tensor over (dp, or ``fsdp_size``
+        under hybrid sharding); 1 without FSDP."""
+        if self.sharding != "fsdp":
+            return 1
+        return self.fsdp_size or self.dp
+
+    @property
+    def fsdp_replicas(self) -> int:
+        """FSDP groups that each hold a whole copy (hybrid sharding: dp / fsdp_size; 1 with
+        plain FSDP or without FSDP)."""
+        return self.dp // self.fsdp_shards if self.sharding == "fsdp" else 1
+
+    @property
+    def weight_shards(self) -> int:
+        """GPUs one whole copy of the weights is split over: tp * pp, times the FSDP group."""
+        return self.pp * self.tp * self.fsdp_shards
+
     def state_shards(self) -> int:
-        """Number of pieces each parameter is split into for storage (FSDP also splits by dp)."""
-        return self.pp * self.tp * (self.dp if self.sharding == "fsdp" else 1)
+        """Number of pieces each parameter is split into for storage (FSDP also splits by its
+        group of dp ranks)."""
+        return self.weight_shards
 
     @property
     def expert_dp(self) -> int:
@@ -199,7 +237,7 @@ class ParallelConfig:
         if self.vpp > 1:
             label += f"-vpp{self.vpp}"
         if self.sharding == "fsdp":
-            label += "-fsdp"
+            label += f"-hsdp{self.fsdp_size}" if self.fsdp_size else "-fsdp"
         elif self.sharding == "optimizer":
             label += "-zero1"
         if self.ep > 1:
@@ -251,9 +289,8 @@ class GenerationConfig:
 
     def micro_dp(self, train: ParallelConfig) -> int:
         """d_g: generation replicas per training replica, (p*t)/(p_g*t_g); FSDP-trained actors
-        regroup all their GPUs."""
-        shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
-        return shards // self.model_parallel_size
+        regroup all the GPUs of their FSDP group."""
+        return train.weight_shards // self.model_parallel_size
 
     def replicas(self, train: ParallelConfig) -> int:
         """Generation data-parallel replicas on the actor's GPUs."""
@@ -273,7 +310,7 @@ class GenerationConfig:
                                 f"actor's {train.world_size} GPUs (whole engine replicas)",
                                 key=f"{key}.tp")
             return
-        shards = train.model_parallel_size if train.sharding != "fsdp" else train.world_size
+        shards = train.weight_shards
         if train.ep * train.etp > train.tp and train.sharding != "fsdp":
             # One copy of an MoE model spans its ep x etp group when that is wider than tp
             # (the experts are spread over it): the generation shard gathers its experts
