@@ -153,11 +153,13 @@ class HybridEngine:
         first) and the bytes that gather received."""
         local = param.to_local().detach() if isinstance(param, DTensor) else param.detach()
         if isinstance(param, DTensor) and self.trainer.fsdp:
-            # FSDP shards over dp first: gather those (the dp placement becomes Replicate),
-            # cast first to the compute dtype (a trained model's FSDP shards are its fp32
-            # master weights; generation runs in the workload's dtype).
+            # FSDP shards over dp first (under hybrid sharding: over the shard dimension of
+            # a (replicate, shard) mesh): gather those (every placement but tensor
+            # parallelism's becomes Replicate), cast first to the compute dtype (a trained
+            # model's FSDP shards are its fp32 master weights; generation runs in the
+            # workload's dtype).
             param = param.detach().to(self.trainer.dtype)
-            placements = [Replicate() if mesh_dim == "dp" else p for mesh_dim, p in
+            placements = [p if mesh_dim == "tp" else Replicate() for mesh_dim, p in
                           zip(param.device_mesh.mesh_dim_names or (), param.placements,
                               strict=True)]
             tp_chunk = param.redistribute(param.device_mesh, placements).to_local()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -35,6 +35,7 @@ from simulator.costs.transition import transition
 from simulator.plan import RolePlan
 from simulator.predict import (
     extra_generation_weights,
+    frees_cache,
     generation_fixed_seconds,
     generation_lengths,
     host_slowdown,
@@ -123,11 +124,13 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
     switches: dict = {}
     forwards: dict = {}
     for plan in plans:
-        if plan.parallel in by_layout:
-            shared = by_layout[plan.parallel]
+        # The training backend too: the loss's logits memory depends on it.
+        layout = (plan.parallel, plan.training_backend)
+        if layout in by_layout:
+            shared = by_layout[layout]
         else:
-            shared = by_layout[plan.parallel] = _layout_costs(job, role, plan, role_nodes,
-                                                              usable_bytes, forwards)
+            shared = by_layout[layout] = _layout_costs(job, role, plan, role_nodes,
+                                                       usable_bytes, forwards)
         if shared is None:
             continue
         resident, node_seconds, transient = shared
@@ -178,7 +181,8 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
         # the training micro-batch or recompute mode: those layouts share it.
         key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel,
                par.ep, par.etp, par.moe_dispatcher, par.offload_params,
-               par.infer_micro_batch_tokens, par.ulysses, par.fsdp_size) \
+               par.infer_micro_batch_tokens, par.ulysses, par.fsdp_size,
+               plan.training_backend) \
             if node.operation == "infer" else None
         cost = forwards.get(key) if key is not None else None
         if cost is None:
@@ -418,7 +422,9 @@ class _GenerationTable:
 def _generation_table(job: JobSpec, node: Node, plan: RolePlan, gpus: int,
                       cache: dict) -> tuple[_GenerationTable, tuple[int, ...]]:
     gen: GenerationConfig = plan.generation  # type: ignore[assignment]
-    key = (node.name, gen, gpus)
+    # The engine's sleep and wake are added per config (_generation_seconds): configs that
+    # differ only in freeing the cache share a table.
+    key = (node.name, replace(gen, free_cache=None), gpus)
     if key in cache:
         return cache[key]
     work = job.workload
@@ -479,23 +485,26 @@ def _generation_seconds(job: JobSpec, node: Node, gen: GenerationConfig,
     random caps of three long-tailed batches, benchmarks/cap_grid_error.py), and a
     decode of thousands to millions of responses costs milliseconds per cap. The plans the
     search returns are priced again exactly (``estimate_plan``)."""
+    fixed = generation_fixed_seconds(job, job.model(node.role), gen) * host_slowdown(job, gpus)
     if cap in table.seconds_by_cap:
-        return table.seconds_by_cap[cap]
+        return table.seconds_by_cap[cap] + fixed
     limit = min(gen.max_num_seqs, lengths.sequences)
     lo, hi = _cap_grid(cap, limit) if lengths.sequences > CAP_GRID_SEQUENCES else (cap, cap)
     if lo == hi:
-        return _price_cap(job, node, gen, lengths, table, cap, gpus)
+        return _price_cap(job, node, gen, lengths, table, cap, gpus) + fixed
     low = _price_cap(job, node, gen, lengths, table, lo, gpus)
     high = _price_cap(job, node, gen, lengths, table, hi, gpus)
     t = (cap - lo) / (hi - lo)
     table.seconds_by_cap[cap] = low + t * (high - low)
     table.peak_kv_bytes_by_cap[cap] = table.peak_kv_bytes_by_cap[lo] + t * (
         table.peak_kv_bytes_by_cap[hi] - table.peak_kv_bytes_by_cap[lo])
-    return table.seconds_by_cap[cap]
+    return table.seconds_by_cap[cap] + fixed
 
 
 def _price_cap(job: JobSpec, node: Node, gen: GenerationConfig, lengths: ReplicaBatch,
                table: _GenerationTable, cap: int, gpus: int) -> float:
+    """Prefill and decode seconds at running cap ``cap``, without the engine's fixed work per
+    generation (which depends on whether it frees its cache)."""
     if cap not in table.seconds_by_cap:
         work = job.workload
         model = job.model(node.role)
@@ -509,7 +518,6 @@ def _price_cap(job: JobSpec, node: Node, gen: GenerationConfig, lengths: Replica
         seconds += prefill_seconds(model, profile, gen, sequences=lengths.sequences,
                                    prompt_len=work.prompt_length, dtype=work.dtype,
                                    gpus_per_node=gpn)
-        seconds += generation_fixed_seconds(job, model, gen)
         seconds *= host_slowdown(job, gpus)
         table.seconds_by_cap[cap] = seconds
         table.peak_kv_bytes_by_cap[cap] = peak_tokens * table.kv_bytes_per_token
@@ -532,7 +540,9 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     generators = [r for r in roles if r not in others]
     order = [*others, *generators]
     # The framework's offload of trained states happens around the set's first generation.
-    offload_group = transition_group if job.framework_profile.offload.any else None
+    # So do the copies of a layout that keeps the actor's parameters in host memory (they come
+    # in for the weight update): both are charged to the set's first generation.
+    offload_group = transition_group
     matrices = {r: _contribution_matrix(candidates[r], group_of, len(groups),
                                         transition_group if r in generators else None,
                                         offload_group)
@@ -562,11 +572,25 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
         (actor_role,) = generators
         actor = candidates[actor_role]
         rows_d, rows_pick, rows_resident, rows_transient = [], [], [], []
+        # A config whose engine keeps its cache is its freeing twin's config with the sleep
+        # and wake taken out and the engine's allocation held through the other operations:
+        # it is priced from its twin's group (the memory and decode work are shared).
         by_generation: dict[GenerationConfig, list[int]] = {}
+        keeping: dict[RolePlan, int] = {}
+        freeing = {c.plan for c in actor if c.plan.generation is not None
+                   and c.plan.generation.free_cache is True}
         for i, c in enumerate(actor):
-            by_generation.setdefault(c.plan.generation, []).append(i)  # type: ignore[arg-type]
+            gen = c.plan.generation
+            if gen is not None and gen.free_cache is False and replace(
+                    c.plan, generation=replace(gen, free_cache=True)) in freeing:
+                keeping[c.plan] = i
+            else:  # a kept-cache config without a freeing twin (pinned) is priced alone
+                by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
         for gen, indices in by_generation.items():
             idx = np.array(indices)
+            kept_gen = replace(gen, free_cache=False)
+            twins = [keeping.get(replace(actor[i].plan, generation=kept_gen), -1)
+                     if gen.free_cache is True else -1 for i in indices]
             a_contrib = matrices[actor_role][idx]
             a_resident = np.array([actor[i].resident.total for i in indices])
             a_transient = np.array([actor[i].transient_bytes for i in indices])
@@ -583,6 +607,10 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                                                      job.workload.dtype)
             ok = np.maximum(resident + transient, during + extra) <= usable_bytes
             gen_peak_bytes = np.zeros(resident.shape)
+            # The engine's allocation while idle (Same rule as
+            # simulator.predict.held_engine_bytes, vectorised).
+            allocation = np.zeros(resident.shape)
+            sleep_wake = np.zeros(len(groups))  # what keeping the cache saves, per group
             for node in generate_nodes:
                 table, lengths = _generation_table(job, node, actor[indices[0]].plan, gpus,
                                                    generation_cache)
@@ -593,6 +621,12 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                     usable_bytes - during - extra - table.workspace_bytes)
                 capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token
                 ok &= capacity >= table.longest_tokens
+                allocation = np.maximum(allocation, extra + np.maximum(budget, 0.0)
+                                        + table.workspace_bytes)
+                sleep_wake[group_of[node.name]] += (
+                    generation_fixed_seconds(job, job.model(actor_role), gen)
+                    - generation_fixed_seconds(job, job.model(actor_role), kept_gen)
+                ) * host_slowdown(job, gpus)
                 caps = np.clip(np.floor(capacity / (job.workload.prompt_length
                                                     + table.mean_response)),
                                1, min(gen.max_num_seqs, table.sequences)).astype(int)
@@ -606,14 +640,31 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                 contributions[ok, group_of[node.name]] += seconds[which]
                 peak = extra[ok] + peak_kv_bytes[which] + table.workspace_bytes
                 gen_peak_bytes[ok] = np.maximum(gen_peak_bytes[ok], peak)
-            ok &= np.maximum(resident + transient, during + gen_peak_bytes) <= usable_bytes
-            o_idx, a_idx = np.nonzero(ok)
-            if len(o_idx) == 0:
-                continue
-            rows_d.append(contributions[o_idx, a_idx])
-            rows_pick.append(np.column_stack([combos.picks[o_idx], idx[a_idx]]))
-            rows_resident.append(resident[o_idx, a_idx])
-            rows_transient.append(np.maximum(transient, gen_peak_bytes - offloaded)[o_idx, a_idx])
+            held = allocation if not frees_cache(job, gen) else 0.0
+            within = ok & (during + gen_peak_bytes <= usable_bytes)
+            twin_of = np.array(twins)
+            variants = []
+            if (twin_of >= 0).any():
+                # Only the twins' columns have a kept variant.
+                kept = within & (twin_of >= 0)[None, :] & (
+                    resident + transient + allocation <= usable_bytes)
+                variants.append((np.maximum(twin_of, 0), allocation, sleep_wake, kept))
+                if prune and sleep_wake.sum() > 0:
+                    # Where the kept variant fits, its durations are its freeing twin's less
+                    # the sleep and wake: the twin is dominated (pareto_mask would drop it).
+                    within = within & ~kept
+            variants.append((idx, held, None, within & (resident + transient + held
+                                                        <= usable_bytes)))
+            for picks, held_bytes, saved, fits in variants:
+                o_idx, a_idx = np.nonzero(fits)
+                if len(o_idx) == 0:
+                    continue
+                chosen = contributions[o_idx, a_idx]
+                rows_d.append(chosen - saved if saved is not None else chosen)
+                rows_pick.append(np.column_stack([combos.picks[o_idx], picks[a_idx]]))
+                rows_resident.append(resident[o_idx, a_idx])
+                rows_transient.append(np.maximum(transient + held_bytes,
+                                                 gen_peak_bytes - offloaded)[o_idx, a_idx])
         if not rows_d:
             return []
         durations = np.concatenate(rows_d)

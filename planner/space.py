@@ -315,7 +315,8 @@ def generation_shapes(job: JobSpec, role: str, gpus: int, par: ParallelConfig,
     generation = space.generation
     if generation.nested and not (par.sharding == "fsdp" and generation.fsdp_regroups):
         # One copy of an MoE model spans its tp group, or its wider ep x etp group.
-        shards = gpus if par.sharding == "fsdp" else max(par.tp, par.ep * par.etp) * par.pp
+        shards = par.weight_shards if par.sharding == "fsdp" \
+            else max(par.tp, par.ep * par.etp) * par.pp
         must_divide_tp = par.ep == 1
     else:
         shards = gpus
@@ -497,9 +498,10 @@ def ulysses_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[in
 
 def fsdp_group_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:
     """FSDP group sizes to try (``ParallelConfig.fsdp_size``; 0: every data-parallel rank):
-    pinned, else 0 and, on an engine with hybrid sharding whose ranks span several nodes, groups
-    of whole nodes (one, two, four, ... nodes' ranks, fewer than all): inside a node the
-    per-layer gathers stay on NVLink; across groups only the gradient shards travel."""
+    pinned, else 0 and, on an engine with hybrid sharding whose ranks span several nodes, a
+    group per node: its per-layer gathers stay on NVLink and only the gradient shards cross
+    the nodes, at the price of a node's share of the states (verl's recipes set fsdp_size 8;
+    a search bound: larger groups are tried when pinned)."""
     pin = job.parallel.get(role)
     pinned = pin.fsdp_size if pin is not None else None
     if layout.sharding != "fsdp":
@@ -512,8 +514,7 @@ def fsdp_group_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list
     node_ranks = job.cluster.gpus_per_node // layout.tp
     if not layout.engine.hybrid_shard or node_ranks < 2 or dp <= node_ranks:
         return [0]
-    sizes = [node_ranks * k for k in powers_of_two(dp // node_ranks)]
-    return [0] + [s for s in sizes if s < dp and dp % s == 0]
+    return [0, node_ranks] if dp % node_ranks == 0 else [0]
 
 
 def _offloads(trained: bool, engine: EngineSpace, job: JobSpec) -> list[tuple[bool, bool]]:
@@ -602,8 +603,22 @@ def _generations(job: JobSpec, role: str, gpus: int, par: ParallelConfig,
     utilizations = (default_utilization,) if "gpu_memory_utilization" in pins \
         or "gpu_memory_utilization" not in exposed \
         else tuple(sorted({default_utilization, *options.memory_utilization}))
+    caches = free_cache_choices(job, pins, space)
     return [GenerationConfig(tp=gen_tp, pp=gen_pp, max_num_seqs=seqs,
-                             memory_utilization=utilization, ep=gen_ep)
+                             memory_utilization=utilization, ep=gen_ep, free_cache=cache)
             for gen_tp, gen_pp in generation_shapes(job, role, gpus, par, pins, space)
             for seqs in seq_caps for utilization in utilizations
-            for gen_ep in serving_eps(job, role, gpus, gen_tp, gen_pp, pins, space)]
+            for gen_ep in serving_eps(job, role, gpus, gen_tp, gen_pp, pins, space)
+            for cache in caches]
+
+
+def free_cache_choices(job: JobSpec, pins: dict[str, Any],
+                       space: FrameworkSpace) -> tuple[bool | None, ...]:
+    """Whether the colocated engine frees its KV cache between generations: pinned; both where
+    the framework exposes the setting (sleep and wake each iteration, or hold the engine's
+    memory through training); else the framework's default (None)."""
+    if "free_cache" in pins:
+        return (pins["free_cache"],)
+    if "free_cache" in space.searchable_rollout and job.framework_profile.rollout.free_kv_cache:
+        return (True, False)
+    return (None,)

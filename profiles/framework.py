@@ -82,6 +82,17 @@ class TrainingSettings:
     probabilities, a few passes, 3 x 4 bytes)."""
     logprob_backward_bytes_per_vocab_entry: float = 24.0
     """The same in the training backward (twice the forward's fused passes)."""
+    fsdp_logits_bytes_per_vocab_entry: float = 8.0
+    """Bytes held per token and vocabulary entry while an FSDP-engine (torch-family) model's
+    loss runs: fp32 logits and their fp32 gradient (8) unless the framework says otherwise.
+    Megatron-family layouts keep 8 (Megatron's cross entropy saves an fp32 copy of the
+    logits and computes its gradient in it, megatron-core tensor_parallel/cross_entropy.py)."""
+    fsdp_forward_logits_bytes_per_vocab_entry: float = 8.0
+    """The same in a forward-only log-prob pass (fp32 logits and their log-softmax)."""
+    fsdp_entropy_bytes_per_vocab_entry: float = 0.0
+    """Bytes the actor's recompute of the old log-probs adds per token and vocabulary entry
+    when the framework also computes the policy's entropy there (the softmax and its product
+    with the logits)."""
     loss_per_packed_sequence: bool = False
     """With sequence packing, the loss runs once per sequence of a bin on a slice of the bin's
     fp32 logits: each slice's backward materialises a zero-filled gradient of the whole bin's
@@ -95,7 +106,10 @@ class TrainingSettings:
 
     def __post_init__(self) -> None:
         for name in ("logprob_forward_bytes_per_vocab_entry",
-                     "logprob_backward_bytes_per_vocab_entry"):
+                     "logprob_backward_bytes_per_vocab_entry",
+                     "fsdp_logits_bytes_per_vocab_entry",
+                     "fsdp_forward_logits_bytes_per_vocab_entry",
+                     "fsdp_entropy_bytes_per_vocab_entry"):
             require(getattr(self, name) >= 0, "must be >= 0", name)
 
 

@@ -254,9 +254,11 @@ class FrameworkSpace:
     batch_rules: tuple[str, ...] = ()
     """Checks the framework makes of its batch against a layout (``BATCH_RULES``): a plan
     that breaks one would stop at start-up, so the search leaves such layouts out."""
-    searchable_rollout: tuple[Literal["max_num_seqs", "gpu_memory_utilization"], ...] = (
+    searchable_rollout: tuple[Literal["max_num_seqs", "gpu_memory_utilization",
+                                      "free_cache"], ...] = (
         "max_num_seqs", "gpu_memory_utilization")
-    """Rollout engine settings the framework exposes (so the search may choose them)."""
+    """Rollout engine settings the framework exposes (so the search may choose them);
+    free_cache: whether a colocated engine frees its KV cache between generations."""
 
     def __post_init__(self) -> None:
         for i, rule in enumerate(self.batch_rules):

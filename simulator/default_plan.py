@@ -46,6 +46,13 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
     pp = pinned.get("pp", 2 if pinned.get("vpp", 1) > 1 else 1)
     overlap_grad, overlap_param = job.overlap_for(role)
     dp = max(1, gpus // (tp * pp))
+    sharding = pinned.get("sharding", "fsdp" if pinned.get("fsdp_size") else
+                          "optimizer" if trained and gpus > tp * pp else "none")
+    # Pinned FSDP groups and Ulysses sizes where this GPU count divides into them.
+    group = pinned.get("fsdp_size", 0)
+    group = group if sharding == "fsdp" and 1 < group < dp and dp % group == 0 else 0
+    ulysses = pinned.get("ulysses", 1)
+    ulysses = ulysses if pp == 1 and dp % ulysses == 0 else 1
     par = ParallelConfig(
         ep=pinned.get("ep", 1 if pinned.get("sharding") == "fsdp" else
                       default_ep(job.model(role), tp * dp // pinned.get("etp", 1),
@@ -53,7 +60,7 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
         etp=pinned.get("etp", 1), moe_dispatcher=pinned.get("moe_dispatcher", "alltoall"),
         overlap_grad_reduce=overlap_grad, overlap_param_gather=overlap_param,
         tp=tp, pp=pp, dp=max(1, gpus // (tp * pp)), vpp=pinned.get("vpp", 1),
-        sharding=pinned.get("sharding", "optimizer" if trained and gpus > tp * pp else "none"),
+        sharding=sharding, fsdp_size=group, ulysses=ulysses,
         recompute=pinned.get("recompute", "selective"),
         sequence_parallel=pinned.get("sequence_parallel", True),
         micro_batch_size=pinned.get("micro_batch_size", (
@@ -66,7 +73,8 @@ def _role_plan(job: JobSpec, role: str, gpus: int, tp: int, gen_tp: int) -> Role
                                       pp=pinned.get("generation_pp", 1),
                                       max_num_seqs=max_num_seqs,
                                       memory_utilization=utilization,
-                                      ep=pinned.get("generation_ep", 1))
+                                      ep=pinned.get("generation_ep", 1),
+                                      free_cache=pinned.get("free_cache"))
     return RolePlan(parallel=par, generation=generation)
 
 

@@ -19,7 +19,12 @@ from simulator.costs.generation import (
 )
 from simulator.costs.inference import forward_pass
 from simulator.costs.memory import GIB, MemoryBreakdown, does_not_fit_message
-from simulator.costs.training import MAIN_GRAD_BYTES, optimizer_memory, train_step
+from simulator.costs.training import (
+    FP32_LOGITS_AND_GRADIENT_BYTES,
+    MAIN_GRAD_BYTES,
+    optimizer_memory,
+    train_step,
+)
 from simulator.costs.transfer import controller_dispatch_seconds, transfer_seconds
 from simulator.costs.transition import Scheme, TransitionCost, compare_schemes
 from simulator.costs.weight_sync import WeightSyncCost, weight_sync
@@ -306,6 +311,24 @@ def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: floa
     return min(engine, device)
 
 
+def frees_cache(job: JobSpec, gen: GenerationConfig) -> bool:
+    """Whether the colocated engine frees its KV cache between generations: the plan's
+    choice, else the framework's default."""
+    if gen.free_cache is not None:
+        return gen.free_cache
+    return job.framework_profile.rollout.free_kv_cache
+
+
+def held_engine_bytes(job: JobSpec, gen: GenerationConfig, *, extra_weights: float,
+                      kv_budget_bytes: float, workspace: float) -> float:
+    """Per-GPU bytes a colocated engine that keeps its cache holds while the set's other
+    operations run: its own weights, the KV cache it allocated up front (vLLM takes its
+    whole budget at start-up) and its workspace; 0 for an engine that frees them."""
+    if frees_cache(job, gen):
+        return 0.0
+    return extra_weights + max(0.0, kv_budget_bytes) + workspace
+
+
 def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
                                   gen: GenerationConfig, *,
                                   dedicated: bool = False) -> tuple[float, float]:
@@ -314,7 +337,7 @@ def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
     weights to host and back at sleep level 1. A ``dedicated`` rollout set (asynchronous
     modes) shares its GPUs with no training and never sleeps."""
     rollout = job.framework_profile.rollout
-    if not rollout.free_kv_cache or dedicated:
+    if not frees_cache(job, gen) or dedicated:
         return 0.0, 0.0
     sleep, wake = rollout.sleep_seconds, rollout.wake_seconds
     weights = generation_weight_bytes(model, gen, job.workload.dtype)
@@ -438,6 +461,9 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                     "max_running": float(cost.max_running),
                     "kv_capacity_tokens": cost.kv_capacity_tokens,
                     "kv_budget_bytes": budget,
+                    "held_engine_bytes": held_engine_bytes(
+                        job, gen, extra_weights=extra_weights, kv_budget_bytes=budget,
+                        workspace=workspace),
                     "replicas": float(replicas),
                     "generated_tokens_per_replica": float(cost.generated_tokens)},
             feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
@@ -446,17 +472,20 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         packed = packed_batch(job, par, sequences=math.ceil(sequences),
                               micro_batch_size=work.infer_micro_batch_size,
                               budget_tokens=par.infer_micro_batch_tokens)
+        logits_bytes = forward_logits_bytes(training, role_plan, entropy=role == "actor")
         cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
                             seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
                             dtype=dtype, value_head=value_head, gpus_per_node=gpn,
                             packed=packed,
-                            logprob_bytes=training.logprob_forward_bytes_per_vocab_entry)
+                            logprob_bytes=training.logprob_forward_bytes_per_vocab_entry,
+                            logits_bytes_per_entry=logits_bytes)
         activations = cost.activations_bytes
         if max_tokens != mean_tokens or packed is not None:
             activations = forward_pass(
                 model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
                 micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
-                gpus_per_node=gpn, packed=full_bin(packed)).activations_bytes
+                gpus_per_node=gpn, packed=full_bin(packed),
+                logits_bytes_per_entry=logits_bytes).activations_bytes
         fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
                  + profile.overheads.operation_seconds)
         swap = reference_swap_seconds(job, par) if (
@@ -481,16 +510,18 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     grad_bytes = grad_bytes_per_param(job, par)
     packed = packed_batch(job, par, sequences=batch, micro_batch_size=par.micro_batch_size,
                           budget_tokens=par.micro_batch_tokens)
+    logits_bytes = training_logits_bytes(training, role_plan)
     step = train_step(model, profile, par, global_batch=batch, seq_len=mean_tokens,
                       dtype=dtype, value_head=value_head, gpus_per_node=gpn,
                       grad_bytes=grad_bytes, packed=packed,
-                      logprob_bytes=loss_bytes_per_vocab_entry(training, packed))
+                      logprob_bytes=loss_bytes_per_vocab_entry(training, packed),
+                      logits_bytes_per_entry=logits_bytes)
     activations = step.memory.activations
     if max_tokens != mean_tokens or packed is not None:
         activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,
                                  dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                                 grad_bytes=grad_bytes,
-                                 packed=full_bin(packed)).memory.activations
+                                 grad_bytes=grad_bytes, packed=full_bin(packed),
+                                 logits_bytes_per_entry=logits_bytes).memory.activations
     fixed_costs = job.framework_profile.fixed_costs
     step_seconds = (step.seconds + fixed_costs.optimizer_step_seconds
                     + fixed_costs.micro_batch_seconds * step.micro_batches)
@@ -558,6 +589,24 @@ def loss_bytes_per_vocab_entry(training: TrainingSettings,
     if packed is not None and training.loss_per_packed_sequence:
         backward += 16 * packed.sequences_per_micro_batch - 4
     return training.logprob_forward_bytes_per_vocab_entry, backward
+
+
+def training_logits_bytes(training: TrainingSettings, role_plan: RolePlan) -> float:
+    """Bytes a trained model's loss holds per token and vocabulary entry: the framework's
+    figure for its FSDP (torch-family) engine, fp32 logits and gradient under Megatron."""
+    if role_plan.training_backend == "torch":
+        return training.fsdp_logits_bytes_per_vocab_entry
+    return FP32_LOGITS_AND_GRADIENT_BYTES
+
+
+def forward_logits_bytes(training: TrainingSettings, role_plan: RolePlan, *,
+                         entropy: bool) -> float:
+    """The same in a forward-only log-prob pass; ``entropy``: the pass also computes the
+    policy's entropy (the actor's recompute of the old log-probs)."""
+    if role_plan.training_backend != "torch":
+        return FP32_LOGITS_AND_GRADIENT_BYTES
+    return training.fsdp_forward_logits_bytes_per_vocab_entry + (
+        training.fsdp_entropy_bytes_per_vocab_entry if entropy else 0.0)
 
 
 def full_bin(packed: PackedBatch | None) -> PackedBatch | None:
@@ -672,10 +721,18 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     memory: list[SetMemory] = []
     set_resident.extend(MemoryBreakdown() for _ in located[len(plan.sets):])
     for i, s in enumerate(located):
+        # A colocated engine that keeps its cache holds it through the set's other operations.
+        held = max((n.detail.get("held_engine_bytes", 0.0) for n in nodes.values()
+                    if n.location == i and n.operation == "generate"), default=0.0)
+
+        def need(n: NodeEstimate, held: float = held) -> MemoryBreakdown:
+            engine = MemoryBreakdown(kv_cache=held) if n.operation != "generate" \
+                else MemoryBreakdown()
+            return n.transient - n.offloaded + engine
+
         worst = max((n for n in nodes.values() if n.location == i),
-                    key=lambda n: n.transient.total - n.offloaded.total, default=None)
-        peak = set_resident[i] + (worst.transient - worst.offloaded if worst
-                                  else MemoryBreakdown())
+                    key=lambda n: need(n).total, default=None)
+        peak = set_resident[i] + (need(worst) if worst else MemoryBreakdown())
         sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=set_resident[i],
                        peak=peak, peak_node=worst.name if worst else "",
                        available_bytes=views[i].cluster.profile().usable_memory_bytes,

@@ -251,3 +251,101 @@ def test_a_framework_profile_can_build_on_another(tmp_path) -> None:
     typo.write_text("base: verl\nname: typo\nrollout:\n  max_num_seq: 64\n")
     with pytest.raises(SpecError, match=r"rollout\.max_num_seq: unknown key"):
         load_framework(str(typo))
+
+
+def test_verls_fsdp_engine_holds_bf16_logits_where_megatron_holds_fp32_copies() -> None:
+    # verl's FSDP engine keeps the loss's logits in bf16 and writes their gradient in place (2
+    # bytes per token and vocabulary entry); its recompute of the old log-probs adds the
+    # entropy's softmax and product (4 more). Megatron's cross entropy holds fp32 (8).
+    from simulator.plan import RolePlan
+    from simulator.predict import model_node
+    from simulator.specs.parallel import ParallelConfig
+
+    job = job_from_mapping({
+        "name": "logits", "algorithm": "grpo", "framework": "verl",
+        "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 8,
+                     "prompt_length": 512, "response_length": 1536}})
+    par = ParallelConfig(tp=1, dp=8, sharding="none", sequence_parallel=False,
+                         micro_batch_size=2)
+    vocab = job.model("actor").vocab
+
+    def held(node: str, backend: str, micro_batch: int) -> float:
+        estimate = model_node(job, job.dataflow.node(node),
+                              RolePlan(parallel=par, training_backend=backend), location=0)
+        return estimate.transient.activations / (micro_batch * 2048 * vocab)
+
+    train = next(n.name for n in job.dataflow.nodes_of("actor") if n.operation == "train")
+    ref = next(n.name for n in job.dataflow.nodes_of("ref"))
+    infer_mbs = job.workload.infer_micro_batch_size
+    assert held(train, "megatron", 2) - held(train, "torch", 2) == pytest.approx(8 - 2)
+    assert held(OLD_LOG_PROB_NODE, "megatron", infer_mbs) \
+        - held(OLD_LOG_PROB_NODE, "torch", infer_mbs) == pytest.approx(8 - 6)
+    assert held(ref, "megatron", infer_mbs) - held(ref, "torch", infer_mbs) \
+        == pytest.approx(8 - 2)
+
+
+def keep_cache_job(nodes: int = 1, **pins):
+    return job_from_mapping({
+        "name": "cache", "algorithm": "grpo", "framework": "verl",
+        "models": {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b", "reward": "rule"},
+        "cluster": {"nodes": nodes, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 128, "samples_per_prompt": 8,
+                     "prompt_length": 512, "response_length": 1024},
+        **({"parallel": {"actor": pins}} if pins else {})})
+
+
+def test_an_engine_that_keeps_its_cache_skips_sleep_and_wake_and_holds_its_memory() -> None:
+    job = keep_cache_job()
+    freed = colocate_plan(job)
+    gen = freed.roles["actor"].generation
+    kept = replace(freed, roles={**freed.roles, "actor": replace(
+        freed.roles["actor"], generation=replace(gen, free_cache=False))})
+    a, b = estimate_plan(job, freed), estimate_plan(job, kept)
+    rollout = job.framework_profile.rollout
+    generate_a, generate_b = a.nodes["actor.generate"], b.nodes["actor.generate"]
+    assert generate_a.seconds - generate_b.seconds == pytest.approx(
+        rollout.sleep_seconds + rollout.wake_seconds)
+    held = generate_b.detail["held_engine_bytes"]
+    assert generate_a.detail["held_engine_bytes"] == 0.0
+    # The engine's weights, its whole KV budget and workspace, up to its share of the GPU.
+    assert generate_b.detail["kv_budget_bytes"] < held <= (
+        gen.memory_utilization * job.cluster.profile().memory_bytes)
+    (set_a,), (set_b,) = a.memory, b.memory
+    assert set_b.peak_node != "actor.generate"
+    assert set_b.peak.total == pytest.approx(
+        set_b.resident.total + held
+        + b.nodes[set_b.peak_node].transient.total - b.nodes[set_b.peak_node].offloaded.total)
+    assert set_b.peak.total > set_a.peak.total
+
+
+def test_verls_search_keeps_the_cache_where_it_fits_and_frees_it_where_it_does_not() -> None:
+    from planner.search import Search
+
+    best = Search(keep_cache_job(), SearchOptions(top_k=1)).run().best
+    assert best.to_plan(keep_cache_job()).roles["actor"].generation.free_cache is False
+    # A utilization that leaves training no room: the engine must sleep.
+    tight = keep_cache_job(gpu_memory_utilization=0.95)
+    best = Search(tight, SearchOptions(top_k=1)).run().best
+    assert best.to_plan(tight).roles["actor"].generation.free_cache is True
+    # A pin decides, either way; the search prices its plan as the simulator does (also a
+    # plan whose actor keeps its parameters in host memory, at a high utilization).
+    for pins in ({"free_cache": True}, {"free_cache": False},
+                 {"gpu_memory_utilization": 0.8}):
+        pinned = keep_cache_job(**pins)
+        best = Search(pinned, SearchOptions(top_k=1)).run().best
+        assert best is not None
+        if "free_cache" in pins:
+            assert best.to_plan(pinned).roles["actor"].generation.free_cache \
+                is pins["free_cache"]
+        assert best.iteration_seconds == pytest.approx(
+            simulate(pinned, best.to_plan(pinned)).iteration_seconds, rel=1e-9)
+    # Frameworks whose engines always sleep refuse the pin by name.
+    with pytest.raises(SpecError, match="frees its KV cache") as info:
+        replace(keep_cache_job(free_cache=False), framework="openrlhf").__post_init__()
+    assert info.value.key == "parallel.actor.free_cache"
+    # OpenRLHF's colocated engines always sleep: not searched.
+    openrlhf = replace(keep_cache_job(), framework="openrlhf")
+    best = Search(openrlhf, SearchOptions(top_k=1)).run().best
+    assert best.to_plan(openrlhf).roles["actor"].generation.free_cache is None

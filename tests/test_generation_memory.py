@@ -37,14 +37,16 @@ generation shards and the fp32 log-softmax keep bf16 weights' results within it 
 # --- multi-rank transition (gloo, spawned processes) -----------------------------------------
 
 CONFIGS = {
-    # world size -> [(name, preset, tp, gen_tp, dp, sharding)]
+    # world size -> [(name, preset, tp, gen_tp, dp, sharding[, fsdp_size])]
     2: [("tp2-gen1", "tiny-4l", 2, 1, 1, "none"),
         ("gpt-tp2-gen1", "tiny-gpt-2l", 2, 1, 1, "none")],
     4: [("tp4-gen2", "tiny-4l", 4, 2, 1, "none"),
         ("tp4-gen1", "tiny-4l", 4, 1, 1, "none"),
         ("tp2-gen1-fsdp-dp2", "tiny-4l", 2, 1, 2, "fsdp")],
     8: [("tp4-gen2-fsdp-dp2", "tiny-4l", 4, 2, 2, "fsdp"),
-        ("tp4-gen1-fsdp-dp2", "tiny-4l", 4, 1, 2, "fsdp")],
+        ("tp4-gen1-fsdp-dp2", "tiny-4l", 4, 1, 2, "fsdp"),
+        # Hybrid sharding: two groups of two dp ranks (a (replicate, shard, tp) mesh).
+        ("tp2-gen1-hsdp-2x2", "tiny-4l", 2, 1, 4, "fsdp", 2)],
 }
 BUCKETS = {"default": None, "one-byte": 1, "64KiB": 64 * 2**10}
 """Transition bucket sizes: the default (the tiny models fit one bucket), smaller than any
@@ -68,7 +70,7 @@ def _per_parameter_transition(hybrid) -> tuple[dict[str, torch.Tensor], int]:
         local = param.to_local() if isinstance(param, DTensor) else param
         tp_chunk = local
         if isinstance(param, DTensor) and hybrid.trainer.fsdp:
-            placements = [Replicate() if mesh_dim == "dp" else p for mesh_dim, p in
+            placements = [p if mesh_dim == "tp" else Replicate() for mesh_dim, p in
                           zip(param.device_mesh.mesh_dim_names or (), param.placements,
                               strict=True)]
             tp_chunk = param.redistribute(param.device_mesh, placements).to_local()
@@ -96,7 +98,7 @@ def _tensor_attributes(obj: object) -> list[str]:
 
 
 def _check_config(name: str, preset: str, tp: int, gen_tp: int, dp: int,
-                  sharding: str) -> dict:
+                  sharding: str, fsdp_size: int = 0) -> dict:
     """One layout on this rank: the bucketed transition against the per-parameter one for
     every bucket size, what stays referenced after ``to_training``, and waved generation."""
     from torch.distributed.tensor import DTensor
@@ -107,7 +109,7 @@ def _check_config(name: str, preset: str, tp: int, gen_tp: int, dp: int,
 
     spec = MODEL_PRESETS[preset]
     par = ParallelConfig(tp=tp, dp=dp, sharding=sharding, sequence_parallel=False,
-                         micro_batch_size=1)
+                         micro_batch_size=1, fsdp_size=fsdp_size)
     trainer = Trainer(spec, par, value_head=False, seed=0, trainable=True, dtype="bf16")
 
     def training_locals() -> dict[str, torch.Tensor]:
@@ -136,6 +138,10 @@ def _check_config(name: str, preset: str, tp: int, gen_tp: int, dp: int,
         finally:
             dist.all_gather_single = gather
         weights = hybrid.engine.weights
+        # Whatever the training layout, a one-GPU generation engine holds whole tensors.
+        whole = {n: tuple(p.shape) for n, p in build_model(spec).named_parameters()}
+        result["whole_tensors"] = gen_tp > 1 or all(
+            tuple(weights[n].shape) == whole[n] for n in whole)
         same = sorted(weights) == sorted(shards) and all(
             weights[n].dtype == shards[n].dtype and torch.equal(weights[n], shards[n])
             for n in shards)
@@ -218,8 +224,9 @@ def test_bucketed_transition_gives_the_per_parameter_shards_and_bytes(
     rows = json.loads(out.read_text())
     for rank_results in rows:
         for config, result in zip(CONFIGS[world], rank_results, strict=True):
-            name, preset, tp, gen_tp, _, sharding = config
+            name, preset, tp, gen_tp, _, sharding, *_ = config
             assert result["waves_same"], name
+            assert result["whole_tensors"], name
             assert result["budget_threaded"], name
             counts = {label: got["collectives"] for label, got in result["buckets"].items()}
             # The tiny models fit one default bucket; one byte is one parameter per gather.

@@ -234,6 +234,63 @@ def test_hybrid_sharding_groups(tmp_path: Path) -> None:
     assert (ref.sharding, ref.fsdp_size) == ("fsdp", 0)
 
 
+LONG_ASYNC_SCRIPT = """\
+max_prompt_length=$((1024 * 2))
+max_response_length=$((1024 * 28))
+sp_size=4
+python -m verl.experimental.fully_async_policy.fully_async_main \\
+    data.max_prompt_length=${max_prompt_length} \\
+    data.max_response_length=${max_response_length} \\
+    data.train_batch_size=0 \\
+    data.gen_batch_size=1 \\
+    actor_rollout_ref.rollout.n=16 \\
+    algorithm.adv_estimator=grpo \\
+    algorithm.use_kl_in_reward=False \\
+    actor_rollout_ref.actor.use_kl_loss=False \\
+    actor_rollout_ref.actor.strategy=fsdp2 \\
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-Math-7B \\
+    actor_rollout_ref.model.use_remove_padding=True \\
+    actor_rollout_ref.hybrid_engine=False \\
+    actor_rollout_ref.actor.use_dynamic_bsz=True \\
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=$(((max_prompt_length + \\
+max_response_length) * 2)) \\
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=$(((max_prompt_length + \\
+max_response_length) * 3)) \\
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True \\
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \\
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=${sp_size} \\
+    actor_rollout_ref.actor.fsdp_config.fsdp_size=8 \\
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.80 \\
+    actor_rollout_ref.rollout.tensor_model_parallel_size=4 \\
+    actor_rollout_ref.rollout.name=vllm \\
+    actor_rollout_ref.rollout.calculate_log_probs=True \\
+    trainer.nnodes=2 \\
+    trainer.n_gpus_per_node=8 \\
+    rollout.nnodes=2 \\
+    rollout.n_gpus_per_node=8 \\
+    rollout.total_rollout_steps=204800 \\
+    async_training.staleness_threshold=0.1 \\
+    async_training.trigger_parameter_sync_step=4 \\
+    async_training.require_batches=4 \\
+    async_training.partial_rollout=True \\
+    async_training.use_rollout_log_probs=True
+"""
+
+
+def test_a_long_response_fully_async_run_with_hybrid_sharding_fits(tmp_path: Path) -> None:
+    # The shape of verl's DAPO fully-async recipes on H20: 30k-token sequences, token budgets
+    # of two sequences per GPU over Ulysses sp 4, FSDP groups of a node. The FSDP engine's loss
+    # holds bf16 logits with their gradient in place, so the 61k-token micro-batch fits
+    # (with fp32 logits and gradient it would need 96 GiB of the H20's 96).
+    script = write(tmp_path / "run.sh", LONG_ASYNC_SCRIPT)
+    done = run("import", str(script), "--from", "verl", "--device", "h20", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["feasible"], summary
+    assert summary["mode"] == "async"
+    assert "hsdp8-sp4" in summary["plan"]
+
+
 def test_token_budgets_and_host_memory_between_calls(tmp_path: Path) -> None:
     text = GRPO_SCRIPT.replace("use_kl_loss=False", "use_kl_loss=True").replace(
         "    trainer.n_gpus_per_node=8", """\

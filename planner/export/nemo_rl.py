@@ -128,6 +128,11 @@ def _check_placement(plan: Plan, job: JobSpec) -> None:
 def _policy(par: ParallelConfig, job: JobSpec, engine: str,
             translation: Translation) -> list[str]:
     recompute = par.recompute
+    if par.fsdp_size:
+        translation.differ("NeMo-RL's DTensor policy shards over every data-parallel rank (no "
+                           f"hybrid sharding); the plan has FSDP groups of {par.fsdp_size}",
+                           key="roles.actor.parallel.fsdp_size", fix="drop fsdp_size",
+                           written="FSDP over every rank")
     if engine == "dtensor":
         if recompute == "selective":
             translation.differ("NeMo-RL's DTensor policy checkpoints every layer or none",
@@ -171,6 +176,11 @@ def _generation(plan: Plan, job: JobSpec, gen: GenerationConfig,
            f"{vllm}.expert_parallel_size={gen.ep}",
            f"{vllm}.gpu_memory_utilization={gen.memory_utilization:g}",
            f"{vllm}.enforce_eager={_bool(not rollout.cuda_graphs)}"]
+    if gen.free_cache is False:
+        translation.differ("NeMo-RL's colocated vLLM always sleeps after generating (sleep "
+                           "mode is hard-coded on); the plan keeps the engine's KV cache",
+                           key="roles.actor.generation.free_cache",
+                           fix="drop free_cache: false", written="its sleep")
     default_seqs = job.framework_profile.rollout.max_num_seqs
     if gen.max_num_seqs != default_seqs:
         translation.differ(f"NeMo-RL's recipe does not set vLLM's max_num_seqs (its engines "

@@ -110,6 +110,11 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
     stage = ZERO_STAGE[next(iter(trained.values()), "optimizer")] or 1
     frozen = "fsdp" if stage == 3 else "none"
     for role, rp in plan.roles.items():
+        if rp.parallel.fsdp_size:
+            translation.differ("DeepSpeed ZeRO shards over every data-parallel rank (no "
+                               f"hybrid sharding); {role} has FSDP groups of "
+                               f"{rp.parallel.fsdp_size}", key=f"roles.{role}.parallel.fsdp_size",
+                               fix="drop fsdp_size", written="ZeRO over every rank")
         if role not in ("actor", "critic") and rp.parallel.sharding != frozen \
                 and rp.parallel.dp > 1:
             translation.differ(
@@ -281,6 +286,11 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
     else:
         out.append(f"--reward.model_name_or_path={model_path(job, 'reward')}")
     if plan.rollout is None:
+        if gen.free_cache is False:
+            translation.differ("OpenRLHF's colocated engines sleep after every generation "
+                               "(--vllm.enable_sleep); the plan keeps the engine's KV cache",
+                               key="roles.actor.generation.free_cache",
+                               fix="drop free_cache: false", written="--vllm.enable_sleep")
         out += ["--vllm.enable_sleep", "--ds.enable_sleep"]
     else:
         out += ["--train.async_enable", f"--train.async_queue_size={plan.max_staleness}"]

@@ -379,7 +379,8 @@ def _rollout(plan: Plan, job: JobSpec, gen: GenerationConfig) -> list[str]:
         f"actor_rollout_ref.rollout.gpu_memory_utilization={gen.memory_utilization:g}",
         f"actor_rollout_ref.rollout.max_num_seqs={gen.max_num_seqs}",
         f"actor_rollout_ref.rollout.enforce_eager={_bool(not rollout.cuda_graphs)}",
-        f"actor_rollout_ref.rollout.free_cache_engine={_bool(rollout.free_kv_cache)}",
+        f"actor_rollout_ref.rollout.free_cache_engine="
+        f"{_bool(rollout.free_kv_cache if gen.free_cache is None else gen.free_cache)}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu="
         f"{work.infer_micro_batch_size}",
     ]

@@ -61,6 +61,7 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.expert_parallel_size": 1,
     "actor_rollout_ref.rollout.gpu_memory_utilization": 0.5,
     "actor_rollout_ref.rollout.max_num_seqs": 256,
+    "actor_rollout_ref.rollout.free_cache_engine": True,
     "reward.reward_model.rollout.tensor_model_parallel_size": 2,
     "reward.reward_model.rollout.pipeline_model_parallel_size": 1,
     "megatron.tensor_model_parallel_size": 1,
@@ -104,9 +105,6 @@ UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "padded micro-batches are not priced (the price counts real tokens)"),
     ("actor_rollout_ref.rollout.enforce_eager", _true,
      "an eager vLLM engine is not what the verl profile prices (CUDA graphs)"),
-    ("actor_rollout_ref.rollout.free_cache_engine", lambda v: not _true(v),
-     "a vLLM engine that keeps its KV cache between iterations is not what the verl profile "
-     "prices"),
     ("actor_rollout_ref.rollout.multi_turn.enable", _true, "multi-turn tool rollouts are not "
      "priced"),
     ("actor_rollout_ref.rollout.name", lambda v: clean(str(v)) not in ("vllm",),
@@ -336,7 +334,8 @@ def _layout(s: VerlSettings, job: JobSpec, roles: list[str], trainer_gpus: int,
     plans["actor"] = _trained("actor", s, trainer_gpus, "actor_rollout_ref.actor",
                               "actor_rollout_ref.model", job)
     gen_gpus = rollout_gpus or trainer_gpus
-    plans["actor"] = replace(plans["actor"], generation=_generation(s, gen_gpus))
+    plans["actor"] = replace(plans["actor"], generation=_generation(
+        s, gen_gpus, colocated=not rollout_gpus))
     if "critic" in roles:
         plans["critic"] = _trained("critic", s, trainer_gpus, "critic", "critic.model", job)
     if "ref" in roles:
@@ -486,10 +485,15 @@ def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
                     training_backend="megatron")
 
 
-def _generation(s: VerlSettings, gpus: int) -> GenerationConfig:
+def _generation(s: VerlSettings, gpus: int, *, colocated: bool) -> GenerationConfig:
+    """The rollout engine's layout and settings; a colocated engine also says whether it frees
+    its KV cache between generations (free_cache_engine; an engine on GPUs of its own never
+    sleeps in the price)."""
     prefix = "actor_rollout_ref.rollout"
     return GenerationConfig(tp=s.int(f"{prefix}.tensor_model_parallel_size"),
                             pp=s.int(f"{prefix}.pipeline_model_parallel_size"),
                             ep=s.int(f"{prefix}.expert_parallel_size"),
                             max_num_seqs=s.int(f"{prefix}.max_num_seqs"),
-                            memory_utilization=s.float(f"{prefix}.gpu_memory_utilization"))
+                            memory_utilization=s.float(f"{prefix}.gpu_memory_utilization"),
+                            free_cache=s.bool(f"{prefix}.free_cache_engine")
+                            if colocated else None)

@@ -10,7 +10,11 @@ from functools import lru_cache
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
-from simulator.costs.training import expert_parallel_span, fsdp_group_span
+from simulator.costs.training import (
+    FP32_LOGITS_AND_GRADIENT_BYTES,
+    expert_parallel_span,
+    fsdp_group_span,
+)
 from simulator.costs.transformer import (
     LOSS_BYTES_PER_VOCAB_ENTRY,
     AttentionImpl,
@@ -44,7 +48,9 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
                  value_head: bool = False, gpus_per_node: int = 8,
                  attention: AttentionImpl = "flash",
                  packed: PackedBatch | None = None,
-                 logprob_bytes: float = LOSS_BYTES_PER_VOCAB_ENTRY) -> InferenceCost:
+                 logprob_bytes: float = LOSS_BYTES_PER_VOCAB_ENTRY,
+                 logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES
+                 ) -> InferenceCost:
     """Forward ``sequences`` sequences of ``seq_len`` tokens through the model laid out as
     ``par``; the data-parallel ranks split the sequences (with ``packed``, the busiest rank
     runs its packed micro-batches instead; ``logprob_bytes``: the log-prob pass's memory traffic
@@ -106,8 +112,9 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
             profile, message, par.world_size > gpus_per_node,
             busy_ranks_per_node=par.tp * par.dp, gpus_per_node=gpus_per_node)
     vocab_local = model.head_output_size(value_head=value_head) / (1 if value_head else par.tp)
-    # One layer's intermediate tensors are live at a time, plus fp32 logits and log-softmax.
-    activations = layer.activation_bytes + 2 * 4 * tokens * vocab_local
+    # One layer's intermediate tensors are live at a time, plus the logits and what the
+    # log-prob computation holds beside them (fp32 logits and log-softmax by default).
+    activations = layer.activation_bytes + logits_bytes_per_entry * tokens * vocab_local
     if par.sharding == "fsdp":
         weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
                                     etp=par.etp) / par.fsdp_shards \

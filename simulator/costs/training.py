@@ -44,6 +44,9 @@ other); 1 on GPU profiles."""
 MAIN_GRAD_BYTES = 4
 """Megatron accumulates and reduces gradients in fp32 when training in bf16
 (Megatron-LM arguments.py: bf16 implies accumulate_allreduce_grads_in_fp32)."""
+FP32_LOGITS_AND_GRADIENT_BYTES = 2 * 4
+"""Bytes per token and vocabulary entry of a loss that holds fp32 logits and their fp32
+gradient (or, forward only, fp32 logits and their log-softmax)."""
 ADAM_STATE_BYTES = 12
 """fp32 master weights + Adam's two fp32 moments, per parameter (mixed-precision Adam)."""
 ADAM_MOMENT_BYTES = 8
@@ -169,13 +172,15 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                grad_bytes: int = MAIN_GRAD_BYTES,
                packed: PackedBatch | None = None,
                logprob_bytes: tuple[float, float] = (LOSS_BYTES_PER_VOCAB_ENTRY,
-                                                     2 * LOSS_BYTES_PER_VOCAB_ENTRY)
+                                                     2 * LOSS_BYTES_PER_VOCAB_ENTRY),
+               logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES
                ) -> TrainingCost:
     """One optimizer step on ``global_batch`` sequences of ``seq_len`` tokens
     (``grad_bytes``: as in ``optimizer_memory``); with ``packed``, the busiest data-parallel
     rank's packed micro-batches instead of ``micro_batch_size`` sequences each;
     ``logprob_bytes``: memory traffic of the loss's log-probs per token and vocabulary entry,
-    forward and backward)."""
+    forward and backward; ``logits_bytes_per_entry``: bytes the loss holds per token and
+    vocabulary entry)."""
     b = DTYPE_BYTES[dtype]
     mbs: float = par.micro_batch_size
     micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
@@ -341,7 +346,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     first_stage_acts = layers_per_stage * layer.activation_bytes * in_flight * interleave
     vocab_local = model.head_output_size(value_head=value_head) / (
         1 if value_head else par.tp)
-    logits = 2 * 4 * tokens * vocab_local  # fp32 logits and their gradient
+    logits = logits_bytes_per_entry * tokens * vocab_local
     last_stage_acts = layers_per_stage * layer.activation_bytes + logits
     activations = first_stage_acts if par.pp > 1 else first_stage_acts + logits
     activations = max(activations, last_stage_acts)

@@ -48,6 +48,9 @@ class RolePin:
     """Actor only: generation running-batch cap per replica."""
     gpu_memory_utilization: float | None = None
     """Actor only: fraction of GPU memory the rollout engine may fill (weights + KV cache)."""
+    free_cache: bool | None = None
+    """Actor only: whether the colocated rollout engine frees its KV cache between
+    generations (verl's free_cache_engine)."""
     overlap_grad_reduce: bool | None = None
     """Overlap the gradient reduction with the backward pass (default: on when the
     framework allows it, since it is never slower)."""
@@ -276,8 +279,15 @@ class JobSpec:
                                     f"of {model.name}", key=f"parallel.{role}.{key}")
             if role != "actor" and (pin.generation_tp or pin.generation_pp or
                                     pin.generation_ep or pin.max_num_seqs
-                                    or pin.gpu_memory_utilization):
+                                    or pin.gpu_memory_utilization
+                                    or pin.free_cache is not None):
                 raise SpecError("only the actor generates", key=f"parallel.{role}")
+            if pin.free_cache is False and "free_cache" not in \
+                    self.framework_profile.space.searchable_rollout:
+                raise SpecError(f"{self.framework}'s colocated rollout engine frees its KV "
+                                "cache after every generation (the framework has no setting "
+                                "that keeps it); drop free_cache, or use framework: verl",
+                                key=f"parallel.{role}.free_cache")
             _check_pin_layout(pin, model, key=f"parallel.{role}")
         for role, chosen in self.backends.items():
             if role not in self.gpu_roles:

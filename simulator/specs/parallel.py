@@ -266,6 +266,11 @@ class GenerationConfig:
     memory_utilization: float = 0.9
     """Fraction of device memory the generation engine may fill with weights and KV cache
     (vLLM's default gpu_memory_utilization is 0.9, vllm EngineArgs)."""
+    free_cache: bool | None = None
+    """Whether the engine frees its KV cache (and its weights) after generating and takes
+    them back before the next generation (verl's free_cache_engine, vLLM's sleep mode): the
+    sleep and wake cost time, while an engine that keeps them holds its whole allocation
+    through training. None: the framework's default."""
     ep: int = 1
     """MoE: expert-parallel serving as vLLM runs it (enable_expert_parallel with
     data_parallel_size = ep / tp): the routed experts of ``ep`` GPUs (tp ranks of ep / tp
@@ -319,7 +324,7 @@ class GenerationConfig:
         if shards % self.model_parallel_size:
             raise SpecError(
                 f"generation tp*pp={self.model_parallel_size} must divide the training "
-                f"{'world size' if train.sharding == 'fsdp' else 'tp*pp'}={shards} "
+                f"{'FSDP group x tp' if train.sharding == 'fsdp' else 'tp*pp'}={shards} "
                 "(3D-HybridEngine: each GPU's training shard lies inside its generation shard)",
                 key=f"{key}.tp")
         if train.sharding != "fsdp" and train.ep == 1 and (train.tp % self.tp
@@ -356,7 +361,8 @@ class GenerationConfig:
         check_pipeline_stages(model, self.pp, 1, key=key)
 
     def short(self) -> str:
-        return f"gen-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+        return (f"gen-pp{self.pp}-tp{self.tp}" + (f"-ep{self.ep}" if self.ep > 1 else "")
+                + ("-keepcache" if self.free_cache is False else ""))
 
 
 def check_pipeline_stages(model: ModelSpec, pp: int, vpp: int, *, key: str) -> None:
