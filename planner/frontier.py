@@ -181,7 +181,7 @@ def _layout_costs(job: JobSpec, role: str, plan: RolePlan, role_nodes: Sequence[
         # the training micro-batch or recompute mode: those layouts share it.
         key = (node.name, par.tp, par.pp, par.dp, par.sharding, par.sequence_parallel,
                par.ep, par.etp, par.moe_dispatcher, par.offload_params,
-               par.infer_micro_batch_tokens, par.ulysses, par.fsdp_size,
+               par.infer_micro_batch_tokens, par.ulysses, par.fsdp_size, par.cp,
                plan.training_backend) \
             if node.operation == "infer" else None
         cost = forwards.get(key) if key is not None else None

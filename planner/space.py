@@ -360,7 +360,8 @@ def _generation_pipelines(layers: int, par: ParallelConfig, gen_tp: int, gpus: i
 def _verl_minimal_batch(job: JobSpec, role: str, par: ParallelConfig, family: str) -> bool:
     if role != "actor":
         return True
-    ranks = par.dp * par.micro_batch_size if family == "megatron" else par.world_size
+    ranks = par.data_shards * par.micro_batch_size if family == "megatron" \
+        else par.world_size
     return job.workload.sequences_per_iteration % ranks == 0
 
 
@@ -370,7 +371,8 @@ def _verl_mini_batch_per_rank(job: JobSpec, role: str, par: ParallelConfig,
         return True
     work = job.workload
     mini = work.sequences_per_iteration // work.mini_batches_per_epoch
-    return mini % par.dp == 0
+    # verl's Megatron engine divides by its data-parallel size, dp / cp here.
+    return mini % (par.data_shards if family == "megatron" else par.dp) == 0
 
 
 def _openrlhf_sample_batches(job: JobSpec, role: str, par: ParallelConfig,
@@ -436,16 +438,17 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         # (nemo_rl_tp_micro_batches): that micro-batch is tried too.
         required = job.workload.infer_micro_batch_size \
             if "nemo_rl_tp_micro_batches" in space.batch_rules and layout.tp >= 4 else None
-        knobs = [(ep_etp, batching, recompute, offload, sp, group)
+        knobs = [(ep_etp, batching, recompute, offload, sp, group, cp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
                  for batching in _batchings(job, trained, engine, pins, options, required)
                  for recompute in _recomputes(trained, engine, pins, options, variant)
                  for offload in _offloads(trained, engine, job)
                  for sp in ulysses_sizes(job, role, layout, gpus)
-                 for group in fsdp_group_sizes(job, role, layout, gpus)]
+                 for group in fsdp_group_sizes(job, role, layout, gpus)
+                 for cp in context_parallel_sizes(job, role, layout, gpus)]
         for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
                                                                  offload_optimizer), sp, \
-                group in knobs:
+                group, cp in knobs:
             par = ParallelConfig(
                 tp=layout.tp, pp=layout.pp, dp=gpus // (layout.tp * layout.pp),
                 vpp=vpp, sharding=layout.sharding,  # type: ignore[arg-type]
@@ -455,7 +458,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 ep=ep, etp=etp, moe_dispatcher=pins.get("moe_dispatcher", "alltoall"),
                 offload_params=offload_params, offload_optimizer=offload_optimizer,
                 micro_batch_tokens=tokens, infer_micro_batch_tokens=infer_tokens, ulysses=sp,
-                fsdp_size=group)
+                fsdp_size=group, cp=cp)
             if not meets_batch_rules(job, role, par, space, engine.family):
                 continue
             backend = "torch" if engine.family == "torch" and torch_runs(par) \
@@ -494,6 +497,25 @@ def ulysses_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[in
     if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
         return [1]
     return [s for s in powers_of_two(min(job.cluster.gpus_per_node, dp)) if fits(s)]
+
+
+def context_parallel_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:
+    """Context-parallel sizes to try: pinned, else 1 and, on an engine that has it and for
+    long sequences (as for Ulysses, ULYSSES_FROM_TOKENS), every power of two that keeps the
+    tp x cp ranks inside a node and divides the data-parallel ranks."""
+    pin = job.parallel.get(role)
+    dp = gpus // (layout.tp * layout.pp)
+
+    def fits(c: int) -> bool:
+        return c == 1 or (layout.engine.context_parallel and layout.sharding != "fsdp"
+                          and dp % c == 0)
+
+    if pin is not None and pin.cp:
+        return [pin.cp] if fits(pin.cp) else []
+    if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
+        return [1]
+    return [c for c in powers_of_two(min(job.cluster.gpus_per_node // layout.tp, dp))
+            if fits(c)]
 
 
 def fsdp_group_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:

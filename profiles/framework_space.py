@@ -54,6 +54,9 @@ class EngineSpace:
     ulysses: bool = False
     """DeepSpeed-Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each
     sequence's tokens split over sp ranks, heads exchanged by all-to-all around attention."""
+    context_parallel: bool = False
+    """Megatron context parallelism (context_parallel_size): each sequence's tokens split over
+    cp ranks, keys and values passed around a ring in every attention layer."""
     hybrid_shard: bool = False
     """FSDP in groups of fewer than every data-parallel rank, each group holding a whole copy
     (hybrid sharding: verl's fsdp_size, FSDP2's 2-D mesh); searched at whole nodes."""

@@ -111,14 +111,15 @@ def megatron_installed() -> bool:
 def torch_runs(par: ParallelConfig) -> bool:
     """Whether the executor's torch backend (FSDP2 / DTensor) runs this layout: no pipeline,
     FSDP or plain replicas, tensor parallelism without sequence parallelism."""
-    return par.pp == 1 and par.vpp == 1 and par.sharding != "optimizer" and not (
-        par.sequence_parallel and par.tp > 1)
+    return par.pp == 1 and par.vpp == 1 and par.sharding != "optimizer" and par.cp == 1 \
+        and not (par.sequence_parallel and par.tp > 1)
 
 
 def megatron_runs(par: ParallelConfig) -> bool:
     """Whether the Megatron-core backend runs this layout (it shards optimizer states with
-    its distributed optimizer, never FSDP-style)."""
-    return par.sharding != "fsdp"
+    its distributed optimizer, never FSDP-style; its local layer spec has no context-parallel
+    attention, which needs TransformerEngine)."""
+    return par.sharding != "fsdp" and par.cp == 1
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -406,7 +407,9 @@ class Plan:
                                 "megatron)", key=key)
             if rp.training_backend == "megatron" and not megatron_runs(rp.parallel):
                 raise SpecError("the Megatron backend shards optimizer states (sharding: "
-                                "optimizer), not FSDP-style", key=key)
+                                "optimizer), not FSDP-style, and runs no context parallelism "
+                                "(its local layer spec has no context-parallel attention); "
+                                "set cp: 1 to execute", key=key)
         for i, s in enumerate(self.sets):
             layouts = {role: self.roles[role].megatron_layout() for role in s.roles
                        if role in self.roles and self.roles[role].megatron_layout()}

@@ -567,10 +567,11 @@ def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
     of the longest sequence x ``micro_batch_size`` tokens); None when neither."""
     work = job.workload
     if budget_tokens:
-        # verl's budget is per GPU: a Ulysses group of sp ranks takes sp times as many tokens.
+        # verl's budget is per GPU: a Ulysses (context-parallel) group of sp (cp) ranks takes
+        # sp (cp) times as many tokens (verl 0.9.1 verl/workers/engine/utils.py:104-111).
         return token_budget_batch(sequences, work.mean_sequence_tokens(),
                                   work.max_sequence_tokens,
-                                  budget_tokens=budget_tokens * par.ulysses,
+                                  budget_tokens=budget_tokens * par.ulysses * par.cp,
                                   data_parallel=par.data_shards)
     if not job.framework_profile.training.sequence_packing:
         return None

@@ -264,6 +264,14 @@ def test_role_plans_name_the_backend_that_runs_them() -> None:
     with pytest.raises(SpecError, match=r"roles\.actor\.training_backend: the torch backend "
                                         r"cannot run pp2-tp1-dp1"):
         bad.check_backends()
+    # Context parallelism is priced, not executed: the Megatron backend's local layer spec has
+    # no context-parallel attention.
+    ring = ParallelConfig(dp=2, cp=2, sharding="optimizer")
+    assert RolePlan(parallel=ring).training_backend == "megatron"
+    bad = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor",), gpus=2),),
+               roles={"actor": RolePlan(parallel=ring)})
+    with pytest.raises(SpecError, match="no context parallelism"):
+        bad.check_backends()
 
 
 def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(

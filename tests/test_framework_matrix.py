@@ -195,3 +195,34 @@ def test_a_hybrid_sharded_plan_exports_passes_verl_and_round_trips(tiny_model: P
     again = evaluate(back_job, None, "searched", plan=back)
     assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
                                                     rel=1e-9)
+
+
+def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model: Path,
+                                                                      tmp_path: Path) -> None:
+    # Long sequences on verl's Megatron engine with context parallelism pinned: the export
+    # writes context_parallel_size, verl composes it, and the import reads it back at the same
+    # price.
+    job = job_from_mapping({
+        "name": "matrix-verl-long", "algorithm": "grpo", "framework": "verl",
+        "models": {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b", "reward": "rule"},
+        "reward_function": {"path": str(SUMS)},
+        "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 8,
+                     "prompt_length": 2048, "mini_batches_per_epoch": 4,
+                     "response_length": {"distribution": "lognormal", "median": 8000,
+                                         "sigma": 0.6, "max": 16384}},
+        "parallel": {"actor": {"cp": 2}}})
+    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend="megatron"))
+    best = Search(job, options).run().best
+    assert best is not None
+    plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
+    assert plan.roles["actor"].parallel.cp == 2
+    files = export_files(plan, job, "verl")
+    assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" \
+        in files["verl_overrides.txt"]
+    framework_accepts("verl", files, tiny_model)
+    back_job, back = reimported("verl", job, files, tmp_path)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)

@@ -137,8 +137,6 @@ def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("line", "key"), [
     ("actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.enforce_eager"),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size=2",
-     "actor_rollout_ref.actor.megatron.context_parallel_size"),
     ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_rank"),
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
@@ -217,6 +215,20 @@ def test_import_then_plan_against_it(tmp_path: Path) -> None:
     # Bad input: one line, exit 2.
     bad = run("import", str(script), "--from", "verl")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--device" in bad.stderr
+
+
+def test_context_parallelism(tmp_path: Path) -> None:
+    # The actor's context_parallel_size; the critic keeps its own default.
+    text = PPO_MEGATRON_SCRIPT.replace(
+        "    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \\",
+        "    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \\\n"
+        "    actor_rollout_ref.actor.megatron.context_parallel_size=2 \\")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    _, plan = import_verl(launch, ImportContext(device="h100-80gb",
+                                                models={"reward": "llama3.1-8b"}))
+    actor, critic = (plan.roles[r].parallel for r in ("actor", "critic"))
+    assert (actor.tp, actor.pp, actor.cp, actor.dp, actor.data_shards) == (4, 2, 2, 2, 1)
+    assert critic.cp == 1
 
 
 def test_hybrid_sharding_groups(tmp_path: Path) -> None:

@@ -141,7 +141,7 @@ def _role_layout(role: str, rp: RolePlan, engine: str, prefix: str, *, fsdp_key:
         f"{prefix}.megatron.pipeline_model_parallel_size={par.pp}",
         f"{prefix}.megatron.virtual_pipeline_model_parallel_size="
         f"{par.vpp if par.vpp > 1 else 'null'}",
-        f"{prefix}.megatron.context_parallel_size=1",
+        f"{prefix}.megatron.context_parallel_size={par.cp}",
         f"{prefix}.megatron.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",
         f"{prefix}.megatron.use_distributed_optimizer={_bool(par.sharding == 'optimizer')}",
         # The price counts real tokens (no padding): packed THD sequences.

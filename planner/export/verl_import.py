@@ -65,6 +65,7 @@ VERL_DEFAULTS: dict[str, Any] = {
     "reward.reward_model.rollout.tensor_model_parallel_size": 2,
     "reward.reward_model.rollout.pipeline_model_parallel_size": 1,
     "megatron.tensor_model_parallel_size": 1,
+    "megatron.context_parallel_size": 1,
     "megatron.pipeline_model_parallel_size": 1,
     "megatron.virtual_pipeline_model_parallel_size": None,
     "megatron.expert_model_parallel_size": 1,
@@ -99,8 +100,6 @@ def _above_one(value: Any) -> bool:
 
 UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("actor_rollout_ref.model.lora_rank", _above_one, "LoRA training is not priced"),
-    ("actor_rollout_ref.actor.megatron.context_parallel_size", _above_one,
-     "context parallelism is not priced"),
     ("actor_rollout_ref.model.use_remove_padding", lambda v: not _true(v),
      "padded micro-batches are not priced (the price counts real tokens)"),
     ("actor_rollout_ref.rollout.enforce_eager", _true,
@@ -441,9 +440,10 @@ def _megatron(s: VerlSettings, prefix: str, gpus: int, *, trained: bool, mbs: in
     pp = s.int(f"{prefix}.pipeline_model_parallel_size")
     vpp = s.int(f"{prefix}.virtual_pipeline_model_parallel_size", 1)
     ep = s.int(f"{prefix}.expert_model_parallel_size")
+    cp = s.int(f"{prefix}.context_parallel_size", 1)
     etp = s.int(f"{prefix}.expert_tensor_parallel_size", 1 if ep > 1 else tp)
-    if gpus % (tp * pp):
-        raise SpecError(f"tp x pp = {tp * pp} does not divide the {gpus} GPUs",
+    if gpus % (tp * pp * cp):
+        raise SpecError(f"tp x pp x cp = {tp * pp * cp} does not divide the {gpus} GPUs",
                         key=f"{prefix}.tensor_model_parallel_size")
     dp = gpus // (tp * pp)
     sharding = "optimizer" if trained and dp > 1 and s.bool(
@@ -452,7 +452,8 @@ def _megatron(s: VerlSettings, prefix: str, gpus: int, *, trained: bool, mbs: in
     recompute = {"selective": "selective", "full": "full"}.get(granularity or "", "none")
     grad = s.bool(f"{prefix}.override_ddp_config.overlap_grad_reduce", overlap[0])
     gather = s.bool(f"{prefix}.override_ddp_config.overlap_param_gather", overlap[1])
-    return ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, sharding=sharding,  # type: ignore[arg-type]
+    return ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp,
+                          sharding=sharding,  # type: ignore[arg-type]
                           recompute=recompute if trained else "none",  # type: ignore[arg-type]
                           sequence_parallel=s.bool(f"{prefix}.sequence_parallel") and tp > 1,
                           micro_batch_size=mbs, overlap_grad_reduce=grad,

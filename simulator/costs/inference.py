@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
+from simulator.costs.context_parallel import context_parallel_seconds
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
 from simulator.costs.training import (
@@ -61,8 +62,9 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     if packed is not None:
         mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
         micro_batches = packed.micro_batches
-    # Ulysses: a micro-batch's sequences are split over sp ranks, each computing 1 / sp of it.
-    mbs /= par.ulysses
+    # Ulysses and context parallelism: a micro-batch's sequences are split over sp (cp) ranks,
+    # each computing 1 / sp (1 / cp) of it.
+    mbs /= par.ulysses * par.cp
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -77,6 +79,11 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     tp_comm = layer.tp_training_forward_seconds + ulysses_forward_seconds(
         model, profile, tokens=mbs * seq_len, tp=par.tp, sp=par.ulysses, dtype=dtype,
         gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)
+    tp_comm += context_parallel_seconds(
+        model, profile, tokens=mbs * seq_len, tp=par.tp, cp=par.cp, dtype=dtype,
+        attention_seconds=layer.attention_core_seconds * compute_scale,
+        crosses_nodes=group_crosses_nodes(par.cp, par.tp, gpus_per_node),
+        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)[0]
     stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],

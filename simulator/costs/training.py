@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
+from simulator.costs.context_parallel import context_parallel_seconds
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import (
     Span,
@@ -187,8 +188,9 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     if packed is not None:
         mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
         micro_batches = packed.micro_batches
-    # Ulysses: a micro-batch's sequences are split over sp ranks, each computing 1 / sp of it.
-    mbs /= par.ulysses
+    # Ulysses and context parallelism: a micro-batch's sequences are split over sp (cp) ranks,
+    # each computing 1 / sp (1 / cp) of it.
+    mbs /= par.ulysses * par.cp
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -217,6 +219,15 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                                       dtype=dtype, gpus_per_node=gpus_per_node,
                                       busy_ranks_per_node=par.world_size)
     body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
+    # Context parallelism: the ring exchange of keys and values beyond what attention hides,
+    # forward and backward, and the forward's again when recompute repeats attention.
+    ring_forward, ring_backward = context_parallel_seconds(
+        model, profile, tokens=tokens, tp=par.tp, cp=par.cp, dtype=dtype,
+        attention_seconds=layer.attention_core_seconds * compute_scale,
+        crosses_nodes=group_crosses_nodes(par.cp, par.tp, gpus_per_node),
+        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)
+    body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
+                                   + ring_backward)
 
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \

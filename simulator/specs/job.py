@@ -67,6 +67,8 @@ class RolePin:
     enable_expert_parallel; 1: none)."""
     ulysses: int | None = None
     """Ulysses sequence-parallel ranks (verl's ulysses_sequence_parallel_size)."""
+    cp: int | None = None
+    """Megatron context-parallel ranks (context_parallel_size)."""
     fsdp_size: int | None = None
     """FSDP hybrid sharding: ranks per sharding group (verl's fsdp_size); the data-parallel
     ranks, or leave it out, for plain FSDP."""

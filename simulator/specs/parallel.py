@@ -102,6 +102,12 @@ class ParallelConfig:
     offload_optimizer: bool = False
     """The same for the optimizer states (and fp32 master weights) around each update
     (verl's optimizer_offload)."""
+    cp: int = 1
+    """Megatron context parallelism (context_parallel_size): each sequence's tokens are split
+    over this many of the dp ranks, which exchange keys and values around a ring in every
+    attention layer (``simulator/costs/context_parallel.py``); the batch is split over dp / cp
+    data shards and gradients reduced over all dp ranks, as Megatron reduces them over its
+    data x context-parallel group. Megatron layouts only (not FSDP)."""
     fsdp_size: int = 0
     """FSDP only: hybrid sharding (HSDP). Each parameter, gradient and optimizer state is
     split over groups of this many consecutive dp ranks and replicated over the dp /
@@ -115,7 +121,7 @@ class ParallelConfig:
         return self._hash
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp", "ulysses"):
+        for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp", "ulysses", "cp"):
             value = getattr(self, key)
             require(value >= 1, f"must be a positive integer, got {value}", key)
         for key in ("micro_batch_tokens", "infer_micro_batch_tokens"):
@@ -130,6 +136,15 @@ class ParallelConfig:
                 "ranks that share sequences)", "ulysses")
         require(self.ulysses == 1 or self.pp == 1,
                 "Ulysses sequence parallelism runs without pipeline stages; use pp: 1", "ulysses")
+        require(self.dp % (self.ulysses * self.cp) == 0,
+                f"cp={self.cp} must divide dp={self.dp} (its ranks are data-parallel ranks that "
+                "share sequences)", "cp")
+        require(self.cp == 1 or self.ulysses == 1,
+                "one kind of sequence parallelism per layout: Ulysses (FSDP engines) or "
+                "context parallelism (Megatron)", "cp")
+        require(self.cp == 1 or self.sharding != "fsdp",
+                "context parallelism runs with Megatron's layouts (sharding none or "
+                "optimizer), not FSDP", "cp")
         require(self.fsdp_size >= 0, f"must be >= 0 (0: shard over every dp rank), got "
                 f"{self.fsdp_size}", "fsdp_size")
         if self.fsdp_size:
@@ -147,12 +162,12 @@ class ParallelConfig:
             self.recompute, self.micro_batch_size, self.overlap_grad_reduce,
             self.overlap_param_gather, self.ep, self.etp, self.moe_dispatcher,
             self.offload_params, self.offload_optimizer, self.micro_batch_tokens,
-            self.infer_micro_batch_tokens, self.ulysses, self.fsdp_size)))
+            self.infer_micro_batch_tokens, self.ulysses, self.fsdp_size, self.cp)))
 
     @property
     def data_shards(self) -> int:
-        """Ranks that take different sequences of a batch: dp / ulysses."""
-        return self.dp // self.ulysses
+        """Ranks that take different sequences of a batch: dp / (ulysses x cp)."""
+        return self.dp // (self.ulysses * self.cp)
 
     @property
     def world_size(self) -> int:
@@ -246,6 +261,8 @@ class ParallelConfig:
             label += f"-etp{self.etp}"
         if self.ulysses > 1:
             label += f"-sp{self.ulysses}"
+        if self.cp > 1:
+            label += f"-cp{self.cp}"
         if self.offload_params or self.offload_optimizer:
             label += "-offload" + ("" if self.offload_params and self.offload_optimizer else
                                    "-params" if self.offload_params else "-optimizer")

@@ -1,0 +1,95 @@
+"""Megatron context parallelism (cp; verl's and Megatron's context_parallel_size): a sequence's
+tokens are split over cp ranks, which pass keys and values around a ring in every attention
+layer, hidden behind attention where it is long enough."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.space import SpaceOptions, role_configs
+from profiles.datafile import SpecError
+from profiles.device import load_profile
+from simulator.costs.context_parallel import context_parallel_seconds, ring_step_bytes
+from simulator.costs.primitives import p2p_seconds
+from simulator.costs.training import train_step
+from simulator.specs.job import job_from_mapping
+from simulator.specs.parallel import ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+H100 = load_profile("h100-80gb")
+MODEL = MODEL_PRESETS["qwen2.5-7b"]
+
+
+def megatron(cp: int, **extra) -> ParallelConfig:
+    return ParallelConfig(tp=2, dp=8, cp=cp, sharding="optimizer", recompute="none",
+                          **extra)
+
+
+def test_the_ring_is_hidden_behind_long_attention_and_exposed_behind_short() -> None:
+    step = p2p_seconds(H100, ring_step_bytes(MODEL, tokens=8192, tp=2, dtype="bf16"), False)
+    assert step > 0
+    long_attention = context_parallel_seconds(
+        MODEL, H100, tokens=8192, tp=2, cp=4, dtype="bf16", attention_seconds=10 * 4 * step,
+        crosses_nodes=False, gpus_per_node=8, busy_ranks_per_node=8)
+    assert long_attention == (0.0, 0.0)
+    no_attention = context_parallel_seconds(
+        MODEL, H100, tokens=8192, tp=2, cp=4, dtype="bf16", attention_seconds=0.0,
+        crosses_nodes=False, gpus_per_node=8, busy_ranks_per_node=8)
+    assert no_attention == pytest.approx((3 * step, 3 * 2 * step))
+
+
+def test_a_rank_holds_one_cp_th_of_each_sequence() -> None:
+    # 32k-token sequences, two per data shard: cp 4 gives each rank a quarter of the tokens,
+    # so a quarter of the activations, and the gradients reduce over all dp ranks.
+    one = train_step(MODEL, H100, megatron(1, micro_batch_size=1), global_batch=16,
+                     seq_len=32768)
+    four = train_step(MODEL, H100, megatron(4, micro_batch_size=1), global_batch=4,
+                      seq_len=32768)
+    assert four.memory.activations < 0.3 * one.memory.activations
+    assert four.memory.params == one.memory.params
+    assert four.micro_batches == one.micro_batches == 2
+    assert four.breakdown["dp_comm"] == pytest.approx(one.breakdown["dp_comm"])
+    assert four.breakdown["tp_comm"] > 0.25 * one.breakdown["tp_comm"]  # the ring adds
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"dp": 8, "cp": 3}, "must divide dp=8"),
+    ({"dp": 8, "cp": 2, "sharding": "fsdp"}, "Megatron's layouts"),
+    ({"dp": 8, "cp": 2, "ulysses": 2}, "one kind of sequence parallelism"),
+])
+def test_impossible_layouts_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message) as info:
+        ParallelConfig(**fields)
+    assert info.value.key == "cp"
+
+
+def long_job(framework: str = "verl", **pins):
+    return job_from_mapping({
+        "name": "long", "algorithm": "grpo", "framework": framework,
+        "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+        "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 32, "samples_per_prompt": 8,
+                     "prompt_length": 2048, "response_length": 30720},
+        **({"parallel": {"actor": pins}} if pins else {})})
+
+
+def sizes(configs) -> set[int]:
+    return {c.parallel.cp for c in configs}
+
+
+def test_verls_megatron_engine_searches_cp_for_long_sequences_only() -> None:
+    options = SpaceOptions(micro_batches=(1,), backend="megatron")
+    assert sizes(role_configs(long_job(), "actor", 16, options)) == {1, 2, 4, 8}
+    short = job_from_mapping({
+        "name": "short", "algorithm": "grpo", "framework": "verl",
+        "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+        "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 32, "samples_per_prompt": 8,
+                     "prompt_length": 512, "response_length": 1024}})
+    assert sizes(role_configs(short, "actor", 16, options)) == {1}
+    # FSDP layouts never take cp (verl's FSDP engine has Ulysses instead).
+    fsdp = role_configs(long_job(), "actor", 16, SpaceOptions(micro_batches=(1,),
+                                                               backend="fsdp"))
+    assert sizes(fsdp) == {1}
+    pinned = long_job(cp=2)
+    assert sizes(role_configs(pinned, "actor", 16, options)) == {2}
