@@ -63,13 +63,13 @@ def test_impossible_layouts_are_refused(fields: dict, message: str) -> None:
     assert info.value.key == "cp"
 
 
-def long_job(framework: str = "verl", **pins):
+def long_job(prompt: int = 2048, response: int = 30720, **pins):
     return job_from_mapping({
-        "name": "long", "algorithm": "grpo", "framework": framework,
+        "name": "long", "algorithm": "grpo", "framework": "verl",
         "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
         "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
         "workload": {"prompts_per_iteration": 32, "samples_per_prompt": 8,
-                     "prompt_length": 2048, "response_length": 30720},
+                     "prompt_length": prompt, "response_length": response},
         **({"parallel": {"actor": pins}} if pins else {})})
 
 
@@ -80,13 +80,7 @@ def sizes(configs) -> set[int]:
 def test_verls_megatron_engine_searches_cp_for_long_sequences_only() -> None:
     options = SpaceOptions(micro_batches=(1,), backend="megatron")
     assert sizes(role_configs(long_job(), "actor", 16, options)) == {1, 2, 4, 8}
-    short = job_from_mapping({
-        "name": "short", "algorithm": "grpo", "framework": "verl",
-        "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
-        "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
-        "workload": {"prompts_per_iteration": 32, "samples_per_prompt": 8,
-                     "prompt_length": 512, "response_length": 1024}})
-    assert sizes(role_configs(short, "actor", 16, options)) == {1}
+    assert sizes(role_configs(long_job(512, 1024), "actor", 16, options)) == {1}
     # FSDP layouts never take cp (verl's FSDP engine has Ulysses instead).
     fsdp = role_configs(long_job(), "actor", 16, SpaceOptions(micro_batches=(1,),
                                                                backend="fsdp"))

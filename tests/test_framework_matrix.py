@@ -181,20 +181,28 @@ def test_a_hybrid_sharded_plan_exports_passes_verl_and_round_trips(tiny_model: P
     # group, verl composes it, and the import reads it back at the same price.
     job = matrix_job("verl", "grpo", 64, "sync",
                      parallel={"actor": {"fsdp_size": 8}, "ref": {"fsdp_size": 16}})
-    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend="fsdp"))
+    plan, files = verl_round_trip(job, "fsdp", tiny_model, tmp_path)
+    assert (plan.roles["actor"].parallel.fsdp_size, plan.roles["ref"].parallel.fsdp_size) \
+        == (8, 16)
+    assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=8" in files["verl_overrides.txt"]
+
+
+def verl_round_trip(job: JobSpec, backend: str, model: Path,
+                    directory: Path) -> tuple[Plan, dict[str, str]]:
+    """The job's best plan on one engine family: exported to verl, accepted by verl's own
+    config code, and imported back as the same plan at the same predicted time."""
+    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend=backend))
     best = Search(job, options).run().best
     assert best is not None
     plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
-    assert (plan.roles["actor"].parallel.fsdp_size, plan.roles["ref"].parallel.fsdp_size) \
-        == (8, 16)
     files = export_files(plan, job, "verl")
-    assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=8" in files["verl_overrides.txt"]
-    framework_accepts("verl", files, tiny_model)
-    back_job, back = reimported("verl", job, files, tmp_path)
+    framework_accepts("verl", files, model)
+    back_job, back = reimported("verl", job, files, directory)
     assert back.roles == plan.roles
     again = evaluate(back_job, None, "searched", plan=back)
     assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
                                                     rel=1e-9)
+    return plan, files
 
 
 def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model: Path,
@@ -212,17 +220,7 @@ def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model:
                      "response_length": {"distribution": "lognormal", "median": 8000,
                                          "sigma": 0.6, "max": 16384}},
         "parallel": {"actor": {"cp": 2}}})
-    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend="megatron"))
-    best = Search(job, options).run().best
-    assert best is not None
-    plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
+    plan, files = verl_round_trip(job, "megatron", tiny_model, tmp_path)
     assert plan.roles["actor"].parallel.cp == 2
-    files = export_files(plan, job, "verl")
     assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" \
         in files["verl_overrides.txt"]
-    framework_accepts("verl", files, tiny_model)
-    back_job, back = reimported("verl", job, files, tmp_path)
-    assert back.roles == plan.roles
-    again = evaluate(back_job, None, "searched", plan=back)
-    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
-                                                    rel=1e-9)
