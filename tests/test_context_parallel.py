@@ -4,6 +4,9 @@ layer, hidden behind attention where it is long enough."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from planner.space import SpaceOptions, role_configs
@@ -63,10 +66,14 @@ def test_impossible_layouts_are_refused(fields: dict, message: str) -> None:
     assert info.value.key == "cp"
 
 
+SUMS = Path(__file__).resolve().parents[1] / "planner" / "examples" / "your-data" / "sums.py"
+
+
 def long_job(prompt: int = 2048, response: int = 30720, **pins):
     return job_from_mapping({
         "name": "long", "algorithm": "grpo", "framework": "verl",
         "models": {"actor": "qwen2.5-7b", "ref": "qwen2.5-7b", "reward": "rule"},
+        "reward_function": {"path": str(SUMS)},
         "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
         "workload": {"prompts_per_iteration": 32, "samples_per_prompt": 8,
                      "prompt_length": prompt, "response_length": response},
@@ -87,3 +94,22 @@ def test_verls_megatron_engine_searches_cp_for_long_sequences_only() -> None:
     assert sizes(fsdp) == {1}
     pinned = long_job(cp=2)
     assert sizes(role_configs(pinned, "actor", 16, options)) == {2}
+
+
+def test_frameworks_without_megatrons_ring_say_so_when_translating() -> None:
+    from planner.export import Translation, export_files
+    from simulator.plan import ColocatedSet, Plan, RolePlan
+    from simulator.specs.parallel import GenerationConfig
+
+    ring = ParallelConfig(tp=1, dp=16, cp=2, sharding="optimizer", sequence_parallel=False)
+    plan = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=16),),
+                roles={"actor": RolePlan(parallel=ring, generation=GenerationConfig(tp=1)),
+                       "ref": RolePlan(parallel=replace(ring, sharding="none"))})
+    translation = Translation(target="openrlhf", exact=False)
+    export_files(plan, long_job(), "openrlhf", translation=translation)
+    assert [n for n in translation.notes if n.startswith("roles.actor.parallel.cp")]
+    assert [n for n in translation.notes if n.startswith("roles.ref.parallel.cp")]
+    # NeMo-RL's Megatron policy writes it.
+    files = export_files(plan, long_job(), "nemo-rl",
+                         translation=Translation(target="nemo-rl", exact=False))
+    assert "policy.megatron_cfg.context_parallel_size=2" in files["nemo_rl_overrides.txt"]

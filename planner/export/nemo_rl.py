@@ -134,6 +134,11 @@ def _policy(par: ParallelConfig, job: JobSpec, engine: str,
                            key="roles.actor.parallel.fsdp_size", fix="drop fsdp_size",
                            written="FSDP over every rank")
     if engine == "dtensor":
+        if par.cp > 1:
+            translation.differ("NeMo-RL's DTensor policy is priced without context "
+                               f"parallelism; the plan has cp={par.cp} (Megatron's ring)",
+                               key="roles.actor.parallel.cp", fix="set cp: 1, or train with "
+                               "Megatron (sharding: optimizer)", written="cp 1")
         if recompute == "selective":
             translation.differ("NeMo-RL's DTensor policy checkpoints every layer or none",
                                key="roles.actor.parallel.recompute",
@@ -154,7 +159,7 @@ def _policy(par: ParallelConfig, job: JobSpec, engine: str,
         f"{cfg}.pipeline_model_parallel_size={par.pp}",
         f"{cfg}.num_layers_in_first_pipeline_stage={first}",
         f"{cfg}.num_layers_in_last_pipeline_stage={last}",
-        f"{cfg}.context_parallel_size=1",
+        f"{cfg}.context_parallel_size={par.cp}",
         f"{cfg}.expert_model_parallel_size={par.ep}",
         f"{cfg}.expert_tensor_parallel_size={par.etp}",
         f"{cfg}.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",

@@ -110,6 +110,12 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
     stage = ZERO_STAGE[next(iter(trained.values()), "optimizer")] or 1
     frozen = "fsdp" if stage == 3 else "none"
     for role, rp in plan.roles.items():
+        if rp.parallel.cp > 1:
+            translation.differ("OpenRLHF's sequence parallelism is ring attention over "
+                               "DeepSpeed (--ds.ring_attn_size), which is not priced; "
+                               f"{role} has Megatron context parallelism cp={rp.parallel.cp}",
+                               key=f"roles.{role}.parallel.cp", fix="set cp: 1",
+                               written="no sequence parallelism")
         if rp.parallel.fsdp_size:
             translation.differ("DeepSpeed ZeRO shards over every data-parallel rank (no "
                                f"hybrid sharding); {role} has FSDP groups of "
