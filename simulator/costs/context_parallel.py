@@ -12,8 +12,9 @@ rank's layer at micro-batch / cp and add these exchanges."""
 from __future__ import annotations
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
-from simulator.costs.primitives import p2p_seconds
+from simulator.costs.primitives import group_crosses_nodes, p2p_seconds
 from simulator.specs.model import ModelSpec
+from simulator.specs.parallel import ParallelConfig
 
 
 def ring_step_bytes(model: ModelSpec, *, tokens: float, tp: int, dtype: str) -> float:
@@ -40,3 +41,15 @@ def context_parallel_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens
     forward = (cp - 1) * max(0.0, step - hidden_behind)
     backward = (cp - 1) * max(0.0, 2 * step - 2 * hidden_behind)
     return forward, backward
+
+
+def layout_ring_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
+                        tokens: float, dtype: str, attention_seconds: float,
+                        gpus_per_node: int) -> tuple[float, float]:
+    """``context_parallel_seconds`` for a rank of layout ``par``: its cp ranks are ``tp``
+    apart (Megatron's order), every rank of the node exchanging at once."""
+    return context_parallel_seconds(
+        model, profile, tokens=tokens, tp=par.tp, cp=par.cp, dtype=dtype,
+        attention_seconds=attention_seconds,
+        crosses_nodes=group_crosses_nodes(par.cp, par.tp, gpus_per_node),
+        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
-from simulator.costs.context_parallel import context_parallel_seconds
+from simulator.costs.context_parallel import layout_ring_seconds
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import all_gather_seconds, group_crosses_nodes, p2p_seconds
 from simulator.costs.training import (
     FP32_LOGITS_AND_GRADIENT_BYTES,
     expert_parallel_span,
     fsdp_group_span,
+    fsdp_local_param_count,
 )
 from simulator.costs.transformer import (
     LOSS_BYTES_PER_VOCAB_ENTRY,
@@ -79,11 +80,10 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     tp_comm = layer.tp_training_forward_seconds + ulysses_forward_seconds(
         model, profile, tokens=mbs * seq_len, tp=par.tp, sp=par.ulysses, dtype=dtype,
         gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)
-    tp_comm += context_parallel_seconds(
-        model, profile, tokens=mbs * seq_len, tp=par.tp, cp=par.cp, dtype=dtype,
+    tp_comm += layout_ring_seconds(
+        model, profile, par, tokens=mbs * seq_len, dtype=dtype,
         attention_seconds=layer.attention_core_seconds * compute_scale,
-        crosses_nodes=group_crosses_nodes(par.cp, par.tp, gpus_per_node),
-        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)[0]
+        gpus_per_node=gpus_per_node)[0]
     stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],
@@ -123,9 +123,7 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     # log-prob computation holds beside them (fp32 logits and log-softmax by default).
     activations = layer.activation_bytes + logits_bytes_per_entry * tokens * vocab_local
     if par.sharding == "fsdp":
-        weights = stage_param_count(model, tp=par.tp, pp=1, value_head=value_head, ep=par.ep,
-                                    etp=par.etp) / par.fsdp_shards \
-            * DTYPE_BYTES[dtype]
+        weights = fsdp_local_param_count(model, par, value_head=value_head) * DTYPE_BYTES[dtype]
     else:
         weights = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
                                     ep=par.ep, etp=par.etp) \

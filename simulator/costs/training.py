@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
-from simulator.costs.context_parallel import context_parallel_seconds
+from simulator.costs.context_parallel import layout_ring_seconds
 from simulator.costs.memory import MemoryBreakdown
 from simulator.costs.primitives import (
     Span,
@@ -221,11 +221,10 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
     # Context parallelism: the ring exchange of keys and values beyond what attention hides,
     # forward and backward, and the forward's again when recompute repeats attention.
-    ring_forward, ring_backward = context_parallel_seconds(
-        model, profile, tokens=tokens, tp=par.tp, cp=par.cp, dtype=dtype,
+    ring_forward, ring_backward = layout_ring_seconds(
+        model, profile, par, tokens=tokens, dtype=dtype,
         attention_seconds=layer.attention_core_seconds * compute_scale,
-        crosses_nodes=group_crosses_nodes(par.cp, par.tp, gpus_per_node),
-        gpus_per_node=gpus_per_node, busy_ranks_per_node=par.world_size)
+        gpus_per_node=gpus_per_node)
     body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
                                    + ring_backward)
 
