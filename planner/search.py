@@ -40,6 +40,7 @@ from planner.objective import (
 )
 from planner.space import (
     SpaceOptions,
+    batching_variants,
     pack,
     placements,
     powers_of_two,
@@ -349,7 +350,8 @@ class Search:
         self.space = search_space(job, self.options.space)
         self.study = self.options.space.backend == "simulated"
         self.variants = self.space.variants(job.gpu_roles, tuple(
-            powers_of_two(max(p.group.gpus_per_node for p in self.pools))))
+            powers_of_two(max(p.group.gpus_per_node for p in self.pools))),
+            batchings=batching_variants(job, self.options.space))
         self.variant = 0
         """Index in ``variants`` of the job-wide settings being searched (the caches below
         are keyed by it)."""
@@ -826,7 +828,8 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
     framework = search_space(job, space)
     study = space.backend == "simulated"
     variants = framework.variants(job.gpu_roles, tuple(
-        powers_of_two(max(p.group.gpus_per_node for p in pools))))
+        powers_of_two(max(p.group.gpus_per_node for p in pools))),
+        batchings=batching_variants(job, space))
     best: Candidate | None = None
     for placement in allowed_placements(job, placements_to_try, study=study):
         for on in itertools.product(range(len(pools)), repeat=len(placement)):

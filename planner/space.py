@@ -440,7 +440,8 @@ def role_configs(job: JobSpec, role: str, gpus: int,
             if "nemo_rl_tp_micro_batches" in space.batch_rules and layout.tp >= 4 else None
         knobs = [(ep_etp, batching, recompute, offload, sp, group, cp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
-                 for batching in _batchings(job, trained, engine, pins, options, required)
+                 for batching in _batchings(job, trained, engine, pins, options, required,
+                                            variant)
                  for recompute in _recomputes(trained, engine, pins, options, variant)
                  for offload in _offloads(trained, engine, job)
                  for sp in ulysses_sizes(job, role, layout, gpus)
@@ -577,22 +578,47 @@ def _micro_batches(job: JobSpec, trained: bool, pins: dict[str, Any],
 
 
 def _batchings(job: JobSpec, trained: bool, engine: EngineSpace, pins: dict[str, Any],
-               options: SpaceOptions, required: int | None = None
-               ) -> list[tuple[int, int, int]]:
+               options: SpaceOptions, required: int | None = None,
+               variant: Variant | None = None) -> list[tuple[int, int, int]]:
     """(micro_batch_size, training token budget, forward token budget) to try: micro-batches
     of whole sequences, and, on an engine that forms them by a token budget and for
     responses of varying length (for one length the two are the same), budgets of as many
-    longest sequences (verl requires a budget of at least the longest sequence)."""
+    longest sequences (verl requires a budget of at least the longest sequence); within the
+    variant's one batching where the framework has one."""
     out = [(mbs, 0, 0) for mbs in _micro_batches(job, trained, pins, options, required)]
     work = job.workload
-    if not engine.token_budget or _pinned_micro_batch(job, trained, pins) is not None \
-            or work.response_length.max_tokens == work.response_length.mean_tokens():
-        return out
-    longest = work.max_sequence_tokens
-    infer = work.infer_micro_batch_size * longest
-    if not trained:
-        return [*out, (work.infer_micro_batch_size, 0, infer)]
-    return [*out, *((1, mbs * longest, infer) for mbs in options.micro_batches)]
+    if engine.token_budget and _pinned_micro_batch(job, trained, pins) is None \
+            and work.response_length.max_tokens != work.response_length.mean_tokens():
+        longest = work.max_sequence_tokens
+        infer = work.infer_micro_batch_size * longest
+        out += [(1, mbs * longest, infer) for mbs in options.micro_batches] if trained \
+            else [(work.infer_micro_batch_size, 0, infer)]
+    if variant is not None and variant.token_budget is not None:
+        out = [b for b in out if bool(b[2]) == variant.token_budget]
+    if trained and variant is not None and variant.micro_batch is not None:
+        out = [b for b in out if b[:2] == variant.micro_batch]
+    return out
+
+
+def batching_variants(job: JobSpec, options: SpaceOptions
+                      ) -> tuple[tuple[tuple[int, int] | None, bool], ...]:
+    """The job's choices of one batching for every model (``FrameworkSpace.one_batching``):
+    by a token budget or by a sequence count, and, when more than one model trains, the
+    trained models' one (micro_batch_size, micro_batch_tokens). Empty where the framework
+    lets each model choose."""
+    space = search_space(job, options)
+    if not space.one_batching:
+        return ()
+    engines = [e for _, e in space.engines_for("actor")]
+    if not engines:
+        return ()
+    pin = job.parallel.get("actor")
+    found = {b for engine in engines
+             for b in _batchings(job, True, engine, pin.set_fields() if pin else {}, options)}
+    trained = [r for r in job.gpu_roles if r in job.dataflow.trained_roles]
+    if len(trained) > 1:
+        return tuple(sorted(((mbs, tokens), bool(infer)) for mbs, tokens, infer in found))
+    return tuple((None, budget) for budget in sorted({bool(infer) for *_, infer in found}))
 
 
 def _recomputes(trained: bool, engine: EngineSpace, pins: dict[str, Any],

@@ -76,6 +76,11 @@ class TrainingSettings:
     filled first-fit-decreasing, dealt round-robin to the data-parallel ranks (the busiest
     paces the step) and, with pipeline parallelism, each padded to its rank's longest bin
     (``simulator/packing.py``). False: micro-batches of ``micro_batch_size`` sequences."""
+    token_budget_per_tensor_rank: bool = False
+    """A per-GPU token budget (``micro_batch_tokens``) counts every GPU of the model-parallel
+    group that shares a micro-batch, tensor-parallel ranks included (OpenRLHF: the budget
+    times ring_attn_size x tensor_parallel_size); False: only the ranks that split each
+    sequence (verl: times the Ulysses or context-parallel size)."""
     logprob_forward_bytes_per_vocab_entry: float = 12.0
     """HBM bytes per token and vocabulary entry of computing log-probs over the full
     vocabulary in a forward pass (a fused fp32 log-softmax: read the logits, write the

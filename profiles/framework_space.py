@@ -211,6 +211,12 @@ class Variant:
     """The one sharding of every trained model."""
     recompute: RecomputeName | None = None
     """The one recompute setting of every trained model."""
+    token_budget: bool | None = None
+    """Whether every model forms its micro-batches by a token budget (OpenRLHF's one
+    --train.dynamic_batch_enable) or by a sequence count."""
+    micro_batch: tuple[int, int] | None = None
+    """The one (micro_batch_size, micro_batch_tokens) of every trained model (OpenRLHF's
+    --train.micro_batch_size and --train.max_tokens_per_gpu)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -237,6 +243,11 @@ class FrameworkSpace:
     one_trained_recompute: bool = False
     """Every trained model uses one recompute setting (OpenRLHF's one
     --actor.gradient_checkpointing_enable)."""
+    one_batching: bool = False
+    """Every model forms micro-batches the same way: by a token budget or by a sequence count
+    for all of them, and the trained models with one micro-batch size and one budget
+    (OpenRLHF's --train.dynamic_batch_enable, --train.micro_batch_size,
+    --train.max_tokens_per_gpu; one --rollout.max_tokens_per_gpu for every forward pass)."""
     frozen_shard_with_training: bool = False
     """Frozen models are sharded (fsdp) exactly when trained ones are (DeepSpeed inference
     under ZeRO-3, whole models otherwise: OpenRLHF)."""
@@ -286,10 +297,13 @@ class FrameworkSpace:
             out = [(n, e) for n, e in out if n == variant.engine]
         return out
 
-    def variants(self, roles: tuple[str, ...], tensor_sizes: tuple[int, ...]
+    def variants(self, roles: tuple[str, ...], tensor_sizes: tuple[int, ...], *,
+                 batchings: tuple[tuple[tuple[int, int] | None, bool], ...] = ()
                  ) -> tuple[Variant, ...]:
         """Every choice of the job-wide settings for a job with GPU ``roles``
-        (``tensor_sizes``: the tensor-parallel sizes the cluster's nodes allow)."""
+        (``tensor_sizes``: the tensor-parallel sizes the cluster's nodes allow;
+        ``batchings``: the job's (trained micro-batch or None, by token budget) choices,
+        used when the framework has ``one_batching``)."""
         engines: list[str | None] = [None]
         shared = [r for r in self.shared_engine if r in roles]
         if len(shared) > 1 and self.engines:
@@ -303,9 +317,14 @@ class FrameworkSpace:
         if self.one_trained_recompute:
             recomputes = sorted({r for _, e in self.engines for r in e.recompute},
                                 key=RECOMPUTES.index)
+        batching: list[tuple[tuple[int, int] | None, bool | None]] = [(None, None)]
+        if self.one_batching and batchings:
+            batching = list(batchings)
         return tuple(Variant(engine=e, tp=t, trained_sharding=s,  # type: ignore[arg-type]
-                             recompute=r)  # type: ignore[arg-type]
-                     for e, t, s, r in itertools.product(engines, tps, shardings, recomputes))
+                             recompute=r, micro_batch=m,  # type: ignore[arg-type]
+                             token_budget=b)
+                     for e, t, s, r, (m, b) in itertools.product(engines, tps, shardings,
+                                                                 recomputes, batching))
 
 
 def parse_engines(value: object, key: str) -> tuple[tuple[str, EngineSpace], ...]:

@@ -559,6 +559,16 @@ def dispatch_seconds(job: JobSpec, node: Node, par: ParallelConfig, sequences: f
         workers_per_shard=par.model_parallel_size)
 
 
+def shard_budget_tokens(per_gpu_tokens: int, par: ParallelConfig,
+                        training: TrainingSettings) -> int:
+    """The tokens a data shard's micro-batch may hold under a per-GPU budget: verl multiplies
+    it by the ranks that split each sequence, Ulysses sp or context-parallel cp (verl 0.9.1
+    verl/workers/engine/utils.py:104-111); OpenRLHF by ring_attn_size x tensor_parallel_size
+    (OpenRLHF 0.11.2 openrlhf/utils/seqlen_balancing.py:234-237)."""
+    ranks = par.ulysses * par.cp * (par.tp if training.token_budget_per_tensor_rank else 1)
+    return per_gpu_tokens * ranks
+
+
 def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
                  micro_batch_size: int, budget_tokens: int = 0) -> PackedBatch | None:
     """The busiest data-parallel rank's micro-batches when the layout sets a token budget
@@ -567,11 +577,10 @@ def packed_batch(job: JobSpec, par: ParallelConfig, *, sequences: int,
     of the longest sequence x ``micro_batch_size`` tokens); None when neither."""
     work = job.workload
     if budget_tokens:
-        # verl's budget is per GPU: a Ulysses (context-parallel) group of sp (cp) ranks takes
-        # sp (cp) times as many tokens (verl 0.9.1 verl/workers/engine/utils.py:104-111).
         return token_budget_batch(sequences, work.mean_sequence_tokens(),
                                   work.max_sequence_tokens,
-                                  budget_tokens=budget_tokens * par.ulysses * par.cp,
+                                  budget_tokens=shard_budget_tokens(
+                                      budget_tokens, par, job.framework_profile.training),
                                   data_parallel=par.data_shards)
     if not job.framework_profile.training.sequence_packing:
         return None

@@ -224,3 +224,33 @@ def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model:
     assert plan.roles["actor"].parallel.cp == 2
     assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" \
         in files["verl_overrides.txt"]
+
+
+def test_an_openrlhf_plan_with_token_budgets_exports_parses_and_round_trips(
+        tiny_model: Path, tmp_path: Path) -> None:
+    # PPO's actor and critic share one --train.micro_batch_size / --train.max_tokens_per_gpu,
+    # and every experience pass one --rollout.max_tokens_per_gpu: the search keeps them
+    # equal, the export writes them once, OpenRLHF's parser takes them, the import reads them.
+    job = matrix_job("openrlhf", "ppo", 16, "sync")
+    options = SearchOptions(top_k=20, space=SpaceOptions(micro_batches=(1, 2)))
+    found = Search(job, options).run().ranking
+    budgeted = [c.to_plan(job) for c in found
+                if c.to_plan(job).roles["actor"].parallel.micro_batch_tokens]
+    assert budgeted, "no plan with token budgets among the top 20"
+    plan = evaluate(job, None, "searched", plan=budgeted[0]).plan
+    actor, critic = (plan.roles[r].parallel for r in ("actor", "critic"))
+    assert (actor.micro_batch_size, actor.micro_batch_tokens) == \
+        (critic.micro_batch_size, critic.micro_batch_tokens)
+    assert len({rp.parallel.infer_micro_batch_tokens for rp in plan.roles.values()}) == 1
+    files = export_files(plan, job, "openrlhf")
+    from tests.test_export_frameworks import openrlhf_parse
+
+    args = openrlhf_parse([a for a in files["openrlhf_args.txt"].splitlines() if a])
+    assert args.train.dynamic_batch_enable
+    assert args.train.max_tokens_per_gpu == actor.micro_batch_tokens
+    assert args.rollout.max_tokens_per_gpu == actor.infer_micro_batch_tokens
+    back_job, back = reimported("openrlhf", job, files, tmp_path)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)

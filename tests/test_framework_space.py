@@ -235,3 +235,49 @@ def test_verl_offers_ulysses_for_long_sequences_and_round_trips_it(tmp_path) -> 
     _, back = import_verl(read_launch(tmp_path / "run_verl.sh", ("verl.trainer.main_ppo",)),
                           ImportContext(job=long))
     assert back.roles == plan.roles
+
+
+def test_a_token_budget_counts_the_ranks_that_share_a_micro_batch() -> None:
+    from simulator.predict import shard_budget_tokens
+
+    verl, openrlhf = (load_framework(f).training for f in ("verl", "openrlhf"))
+    tp2 = ParallelConfig(tp=2, dp=4, sharding="optimizer")
+    # verl: per GPU of a sequence's split (Ulysses / context parallel); OpenRLHF: per GPU of
+    # the model-parallel group, AutoTP ranks included.
+    assert shard_budget_tokens(1000, tp2, verl) == 1000
+    assert shard_budget_tokens(1000, tp2, openrlhf) == 2000
+    sp2 = ParallelConfig(tp=1, dp=8, sharding="fsdp", ulysses=2)
+    assert shard_budget_tokens(1000, sp2, verl) == 2000
+
+
+def test_openrlhf_forms_every_models_micro_batches_one_way() -> None:
+    from planner.export.openrlhf import openrlhf_args
+    from planner.space import SpaceOptions, batching_variants
+
+    job = ppo("openrlhf", 16, workload={
+        "prompts_per_iteration": 256, "prompt_length": 256, "mini_batches_per_epoch": 4,
+        "response_length": {"distribution": "lognormal", "median": 300, "sigma": 0.8,
+                            "max": 2048}})
+    options = SpaceOptions(micro_batches=(1, 2))
+    # Two trained models: one (micro_batch_size, budget) for both, by count or by budget.
+    assert set(batching_variants(job, options)) == {
+        ((1, 0), False), ((2, 0), False), ((1, 2304), True), ((1, 4608), True)}
+    found = Search(job, SearchOptions(top_k=10, space=options)).run()
+    for candidate in found.ranking:
+        plan = candidate.to_plan(job)
+        trained = {(plan.roles[r].parallel.micro_batch_size,
+                    plan.roles[r].parallel.micro_batch_tokens) for r in ("actor", "critic")}
+        assert len(trained) == 1
+        forward = {rp.parallel.infer_micro_batch_tokens for rp in plan.roles.values()}
+        assert len(forward) == 1 and (forward.pop() > 0) == (trained.pop()[1] > 0)
+    # A hand-edited plan with two micro-batches is refused at the critic's key.
+    plan = found.ranking[0].to_plan(job)
+    critic = plan.roles["critic"]
+    edited = replace(critic.parallel, micro_batch_size=critic.parallel.micro_batch_size + 1,
+                     micro_batch_tokens=0)
+    plan.roles["critic"] = replace(critic, parallel=edited)
+    with pytest.raises(SpecError, match="one --train.micro_batch_size") as info:
+        openrlhf_args(plan, job)
+    assert info.value.key == "roles.critic.parallel.micro_batch_size"
+    # verl keeps choosing per model (no one_batching).
+    assert batching_variants(ppo("verl", 16), options) == ()

@@ -189,6 +189,46 @@ def test_an_openrlhf_launch_with_legacy_flags(tmp_path: Path) -> None:
     assert job.workload.mini_batches_per_epoch == 4  # 128 x 8 / 256
 
 
+def test_an_openrlhf_launch_with_token_budgets(tmp_path: Path) -> None:
+    lines = """\
+--train.colocate_all
+--actor.num_gpus_per_node 8
+--ref.num_gpus_per_node 8
+--vllm.num_engines 4
+--vllm.tensor_parallel_size 2
+--ds.tensor_parallel_size 2
+--actor.model_name_or_path Qwen/Qwen2.5-7B-Instruct
+--reward.remote_url /path/to/reward_func.py
+--algo.advantage.estimator group_norm
+--rollout.n_samples_per_prompt 8
+--rollout.batch_size 128
+--train.batch_size 256
+--rollout.max_new_tokens 4096
+--data.max_len 5120
+--zero_stage 3
+--train.dynamic_batch_enable
+--train.max_tokens_per_gpu 8192
+"""
+    launch = read_launch(write(tmp_path / "args.txt", lines), ("openrlhf.cli.train_ppo_ray",))
+    job, plan = import_openrlhf(launch, ImportContext(device="h100-80gb"))
+    # The experience's budget defaults to the training's (packing turned on with them).
+    for role in ("actor", "ref"):
+        assert plan.roles[role].parallel.infer_micro_batch_tokens == 8192
+    assert plan.roles["actor"].parallel.micro_batch_tokens == 8192
+    assert plan.roles["ref"].parallel.micro_batch_tokens == 0
+    more = lines + "--rollout.max_tokens_per_gpu 16384\n"
+    _, plan = import_openrlhf(read_launch(write(tmp_path / "more.txt", more),
+                                          ("openrlhf.cli.train_ppo_ray",)),
+                              ImportContext(device="h100-80gb"))
+    assert plan.roles["ref"].parallel.infer_micro_batch_tokens == 16384
+    bad = lines + "--train.max_tokens_per_gpu 0\n"
+    with pytest.raises(SpecError) as info:
+        import_openrlhf(read_launch(write(tmp_path / "bad.txt", bad),
+                                    ("openrlhf.cli.train_ppo_ray",)),
+                        ImportContext(device="h100-80gb"))
+    assert info.value.key == "--train.max_tokens_per_gpu"
+
+
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "planner", *args], capture_output=True,
                           text=True, cwd=ROOT, check=False)

@@ -30,7 +30,9 @@ from planner.export.verl import model_path
 from profiles.datafile import SpecError
 from profiles.framework import load_framework
 from simulator.plan import Plan
+from simulator.predict import shard_budget_tokens
 from simulator.specs.job import RULE, JobSpec
+from simulator.specs.parallel import ParallelConfig
 
 OPENRLHF_VERSION = "0.11.2"
 """The OpenRLHF release the arguments are written for (and tested against)."""
@@ -116,6 +118,21 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
                                f"{role} has Megatron context parallelism cp={rp.parallel.cp}",
                                key=f"roles.{role}.parallel.cp", fix="set cp: 1",
                                written="no sequence parallelism")
+        if rp.parallel.ulysses > 1:
+            translation.differ("OpenRLHF's sequence parallelism is ring attention "
+                               "(--ds.ring_attn_size), not Ulysses; "
+                               f"{role} has ulysses={rp.parallel.ulysses}",
+                               key=f"roles.{role}.parallel.ulysses", fix="set ulysses: 1",
+                               written="no sequence parallelism")
+        if rp.parallel.offload_params or rp.parallel.offload_optimizer:
+            translation.differ("OpenRLHF 0.11 does not move a model's states to host memory "
+                               "between its calls (its --ds.enable_sleep offload is priced by "
+                               f"the openrlhf profile); {role} has offload_params="
+                               f"{rp.parallel.offload_params}, offload_optimizer="
+                               f"{rp.parallel.offload_optimizer}",
+                               key=f"roles.{role}.parallel.offload_params",
+                               fix="set offload_params and offload_optimizer: false",
+                               written="states on the GPU")
         if rp.parallel.fsdp_size:
             translation.differ("DeepSpeed ZeRO shards over every data-parallel rank (no "
                                f"hybrid sharding); {role} has FSDP groups of "
@@ -129,6 +146,52 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
                 key=f"roles.{role}.parallel.sharding", fix=f"set sharding: {frozen}",
                 written=f"sharding {frozen}")
     return [f"--ds.zero_stage={stage}", f"--ds.tensor_parallel_size={tp}"]
+
+
+def _per_gpu_budget(job: JobSpec, par: ParallelConfig, tokens: int) -> int:
+    """OpenRLHF's per-GPU budget for a plan's ``tokens`` (per GPU as the job's framework
+    counts them): the same tokens per data shard, over OpenRLHF's tensor-parallel ranks."""
+    shard = shard_budget_tokens(tokens, par, job.framework_profile.training)
+    return shard // shard_budget_tokens(1, par, load_framework("openrlhf").training)
+
+
+def _batching(plan: Plan, job: JobSpec, translation: Translation) -> list[str]:
+    """Micro-batches by sequence count or by token budget: one --train.micro_batch_size and
+    --train.max_tokens_per_gpu for the trained models, one --rollout.max_tokens_per_gpu for
+    every experience pass, one --train.dynamic_batch_enable for all (the openrlhf profile's
+    one_batching)."""
+    actor = plan.roles["actor"].parallel
+    trained = {r: plan.roles[r].parallel for r in ("actor", "critic") if r in plan.roles}
+    shown = {r: (p.micro_batch_size, _per_gpu_budget(job, p, p.micro_batch_tokens))
+             for r, p in trained.items()}
+    if len(set(shown.values())) > 1:
+        listed = ", ".join(f"{r} micro_batch_size {m}, micro_batch_tokens {t}"
+                           for r, (m, t) in shown.items())
+        translation.differ(f"OpenRLHF 0.11 trains every model with one --train.micro_batch_size "
+                           f"and one --train.max_tokens_per_gpu; the plan has {listed}",
+                           key="roles.critic.parallel.micro_batch_size",
+                           fix="give the critic the actor's micro-batch",
+                           written="the actor's")
+    mbs, train_tokens = shown["actor"]
+    dynamic = bool(train_tokens)
+    forward = {r: _per_gpu_budget(job, rp.parallel, rp.parallel.infer_micro_batch_tokens)
+               for r, rp in plan.roles.items()}
+    wanted = forward["actor"] if dynamic and forward["actor"] else (
+        _per_gpu_budget(job, actor, job.workload.infer_micro_batch_size
+                        * job.workload.max_sequence_tokens) if dynamic else 0)
+    if any(tokens != wanted for tokens in forward.values()):
+        listed = ", ".join(f"{r} {t}" for r, t in forward.items())
+        translation.differ("OpenRLHF 0.11 forms every experience pass's micro-batches one way, "
+                           "by --rollout.max_tokens_per_gpu exactly when training uses a token "
+                           f"budget; the plan's infer_micro_batch_tokens are {listed}",
+                           key="roles.actor.parallel.infer_micro_batch_tokens",
+                           fix=f"give every role infer_micro_batch_tokens: {wanted}",
+                           written=str(wanted))
+    out = [f"--train.micro_batch_size={mbs}"]
+    if dynamic:
+        out += ["--train.dynamic_batch_enable", f"--train.max_tokens_per_gpu={train_tokens}",
+                f"--rollout.max_tokens_per_gpu={wanted}"]
+    return out
 
 
 def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list[str]:
@@ -275,7 +338,6 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
         f"--rollout.n_samples_per_prompt={work.samples_per_prompt}",
         f"--train.batch_size={sequences // work.mini_batches_per_epoch}",
         f"--train.max_epochs={work.ppo_epochs}",
-        f"--train.micro_batch_size={actor.parallel.micro_batch_size}",
         f"--rollout.micro_batch_size={work.infer_micro_batch_size}",
         f"--data.max_len={work.max_sequence_tokens}",
         f"--rollout.max_new_tokens={work.response_length.max_tokens}",
@@ -283,6 +345,7 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
         f"--vllm.tensor_parallel_size={gen.tp}",
         f"--vllm.gpu_memory_utilization={gen.memory_utilization:g}",
     ]
+    out += _batching(plan, job, translation)
     out += _priced_settings(plan, job, translation)
     if "critic" in plan.roles:
         out.append(f"--critic.model_name_or_path={model_path(job, 'critic')}")

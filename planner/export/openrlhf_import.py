@@ -43,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "train.batch_size": 128, "train.max_epochs": 1, "train.micro_batch_size": 1,
     "rollout.micro_batch_size": 1, "data.max_len": 2048,
     "algo.kl.init_coef": 0.01, "train.async_queue_size": 1,
-    "algo.advantage.estimator": "gae",
+    "algo.advantage.estimator": "gae", "train.max_tokens_per_gpu": 16192,
 }
 
 LEGACY = {
@@ -77,7 +77,6 @@ UNPRICED = {
     "ds.adam_offload": "optimizer offload to host is not priced yet",
     "ref.offload": "a reference model kept in host memory is not priced yet",
     "reward.offload": "a reward model kept in host memory is not priced yet",
-    "train.dynamic_batch_enable": "micro-batches by a token budget are not priced yet",
     "vllm.enforce_eager": "an eager vLLM engine is not what the openrlhf profile prices",
     "ds.load_in_4bit": "4-bit weights are not priced",
 }
@@ -136,7 +135,8 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
             raise SpecError(why, key=f"--{key}")
     if s.int("ds.ring_attn_size") > 1 if "ds.ring_attn_size" in s.values else False:
         raise SpecError("ring attention is not priced yet", key="--ds.ring_attn_size")
-    if not s.flag("ds.packing_samples"):
+    # --train.dynamic_batch_enable turns packing on itself (O cli/train_ppo_ray.py:691-694).
+    if not s.flag("ds.packing_samples") and not s.flag("train.dynamic_batch_enable"):
         raise SpecError("padded micro-batches are not priced (the price counts real tokens); "
                         "add --ds.packing_samples", key="--ds.packing_samples")
     estimator = s.text("algo.advantage.estimator") or "gae"
@@ -237,12 +237,30 @@ def _generated(s: Settings, prompts: int, context: ImportContext) -> int | None:
     return None
 
 
+def _token_budgets(s: Settings) -> tuple[int, int]:
+    """(training, experience) token budgets per GPU under --train.dynamic_batch_enable (the
+    experience's defaults to the training's, O cli/train_ppo_ray.py:691-697); (0, 0)
+    without it."""
+    if not s.flag("train.dynamic_batch_enable"):
+        return 0, 0
+    train = s.int("train.max_tokens_per_gpu")
+    forward = s.int("rollout.max_tokens_per_gpu") if "rollout.max_tokens_per_gpu" in s.values \
+        else train
+    for key, value in (("train.max_tokens_per_gpu", train),
+                       ("rollout.max_tokens_per_gpu", forward)):
+        if value < 1:
+            raise SpecError(f"{value}: a token budget is a positive number of tokens",
+                            key=f"--{key}")
+    return train, forward
+
+
 def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict[str, int],
             gen_tp: int, rollout_gpus: int, mode: str, staleness: int,
             partial: bool) -> LaunchLayout:
     stage = s.int("ds.zero_stage")
     tp = s.int("ds.tensor_parallel_size")
     recompute = "full" if s.flag("actor.gradient_checkpointing_enable") else "none"
+    train_tokens, forward_tokens = _token_budgets(s)
     trained_sharding = {0: "none", 1: "optimizer", 2: "optimizer", 3: "fsdp"}.get(stage)
     if trained_sharding is None:
         raise SpecError(f"{stage}: ZeRO stages are 0-3", key="--ds.zero_stage")
@@ -261,7 +279,9 @@ def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict
                              sequence_parallel=False,
                              micro_batch_size=s.int("train.micro_batch_size") if trained
                              else job.workload.infer_micro_batch_size,
-                             overlap_grad_reduce=grad, overlap_param_gather=param)
+                             overlap_grad_reduce=grad, overlap_param_gather=param,
+                             micro_batch_tokens=train_tokens if trained else 0,
+                             infer_micro_batch_tokens=forward_tokens)
         plans[role] = RolePlan(parallel=par, training_backend="torch" if sharding != "optimizer"
                                else "megatron")
     seqs, _ = job.rollout_defaults()
