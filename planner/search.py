@@ -90,14 +90,14 @@ def megatron_consistent(candidates: dict[str, list[RoleCandidate]],
 def same_layout_parts(candidates: dict[str, list[RoleCandidate]], roles: tuple[str, ...]
                       ) -> list[dict[str, list[RoleCandidate]]]:
     """The set's candidates split so that the ``roles`` that run in one model's layout draw
-    the same (tp, pp, ep, etp) from every part."""
+    the same (tp, pp, ep, etp, cp) from every part."""
     tied = [r for r in roles if r in candidates]
     if len(tied) < 2:
         return [candidates]
 
-    def shape(c: RoleCandidate) -> tuple[int, int, int, int]:
+    def shape(c: RoleCandidate) -> tuple[int, int, int, int, int]:
         par = c.plan.parallel
-        return par.tp, par.pp, par.ep, par.etp
+        return par.tp, par.pp, par.ep, par.etp, par.cp
 
     shapes = set.intersection(*({shape(c) for c in candidates[r]} for r in tied))
     return [{r: [c for c in cands if r not in tied or shape(c) == key]
@@ -892,7 +892,7 @@ def _best_combination(job: JobSpec, placement: Placement, allocation: tuple[int,
             except SpecError:
                 continue  # Megatron roles of a set on different layouts
         tied = [chosen[r].parallel for r in framework.same_layout if r in chosen]
-        if len({(p.tp, p.pp, p.ep, p.etp) for p in tied}) > 1:
+        if len({(p.tp, p.pp, p.ep, p.etp, p.cp) for p in tied}) > 1:
             continue  # roles that run in one model's layout
         estimate = estimate_plan(job, plan)
         if not estimate.feasible:

@@ -143,12 +143,12 @@ class RolePlan:
             raise SpecError(f"unknown training backend {self.training_backend!r} (choose "
                             f"{' or '.join(TRAINING_BACKENDS)})", key="training_backend")
 
-    def megatron_layout(self) -> tuple[int, int, int] | None:
-        """(tp, pp, vpp) when Megatron runs this role: Megatron's parallel state is one per
-        process, so the Megatron roles of a colocated set must share it."""
+    def megatron_layout(self) -> tuple[int, int, int, int] | None:
+        """(tp, pp, vpp, cp) when Megatron runs this role: Megatron's parallel state is one
+        per process, so the Megatron roles of a colocated set must share it."""
         if self.training_backend != "megatron":
             return None
-        return self.parallel.tp, self.parallel.pp, self.parallel.vpp
+        return self.parallel.tp, self.parallel.pp, self.parallel.vpp, self.parallel.cp
 
 
 @dataclass(kw_only=True, slots=True, frozen=True, eq=False)
@@ -414,8 +414,10 @@ class Plan:
             layouts = {role: self.roles[role].megatron_layout() for role in s.roles
                        if role in self.roles and self.roles[role].megatron_layout()}
             if len(set(layouts.values())) > 1:
-                shown = ", ".join(f"{r} tp{t}-pp{p}-vpp{v}" for r, (t, p, v) in layouts.items())
-                raise SpecError(f"Megatron roles of one colocated set share one (tp, pp, vpp) "
+                shown = ", ".join(f"{r} tp{t}-pp{p}-vpp{v}-cp{c}"
+                                  for r, (t, p, v, c) in layouts.items())
+                raise SpecError(f"Megatron roles of one colocated set share one (tp, pp, vpp, "
+                                f"cp) "
                                 f"layout (Megatron's parallel state is one per process); got "
                                 f"{shown}", key=f"sets[{i}]")
 

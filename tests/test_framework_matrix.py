@@ -210,20 +210,52 @@ def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model:
     # Long sequences on verl's Megatron engine with context parallelism pinned: the export
     # writes context_parallel_size, verl composes it, and the import reads it back at the same
     # price.
-    job = job_from_mapping({
-        "name": "matrix-verl-long", "algorithm": "grpo", "framework": "verl",
+    job = long_grpo("verl", parallel={"actor": {"cp": 2}})
+    plan, files = verl_round_trip(job, "megatron", tiny_model, tmp_path)
+    assert plan.roles["actor"].parallel.cp == 2
+    assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" \
+        in files["verl_overrides.txt"]
+
+
+def long_grpo(framework: str, **extra: object) -> JobSpec:
+    """GRPO on 16 H100s with responses up to 16k tokens (where context parallelism is
+    searched)."""
+    return job_from_mapping({
+        "name": f"matrix-{framework}-long", "algorithm": "grpo", "framework": framework,
         "models": {"actor": "qwen2.5-1.5b", "ref": "qwen2.5-1.5b", "reward": "rule"},
         "reward_function": {"path": str(SUMS)},
         "cluster": {"nodes": 2, "gpus_per_node": 8, "device": "h100-80gb"},
         "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 8,
                      "prompt_length": 2048, "mini_batches_per_epoch": 4,
                      "response_length": {"distribution": "lognormal", "median": 8000,
-                                         "sigma": 0.6, "max": 16384}},
-        "parallel": {"actor": {"cp": 2}}})
-    plan, files = verl_round_trip(job, "megatron", tiny_model, tmp_path)
-    assert plan.roles["actor"].parallel.cp == 2
-    assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" \
-        in files["verl_overrides.txt"]
+                                         "sigma": 0.6, "max": 16384}}, **extra})
+
+
+def test_a_context_parallel_plan_exports_passes_nemo_rl_and_round_trips(tmp_path: Path) -> None:
+    # NeMo-RL's Megatron policy with context parallelism pinned on the actor: the reference,
+    # which runs in the policy's model, takes the same cp; the export pads sequences to
+    # 2 x cp (x tp) as NeMo-RL asserts, and the import reads it back at the same price.
+    from planner.export.nemo_rl import nemo_rl_checks, parse_nemo_rl_overrides
+
+    job = long_grpo("nemo-rl", parallel={"actor": {"cp": 2}})
+    options = SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,), backend="megatron"))
+    best = Search(job, options).run().best
+    assert best is not None
+    plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
+    actor, ref = plan.roles["actor"].parallel, plan.roles["ref"].parallel
+    assert (actor.cp, ref.cp) == (2, 2)
+    files = export_files(plan, job, "nemo-rl")
+    values = parse_nemo_rl_overrides(files["nemo_rl_overrides.txt"])
+    assert values["policy.megatron_cfg.context_parallel_size"] == "2"
+    assert int(values["policy.make_sequence_length_divisible_by"]) % (4 * actor.tp) == 0
+    assert nemo_rl_checks(values) == []
+    values["policy.make_sequence_length_divisible_by"] = str(actor.tp)
+    assert any("not a multiple" in p for p in nemo_rl_checks(values))
+    back_job, back = reimported("nemo-rl", job, files, tmp_path)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)
 
 
 def test_an_openrlhf_plan_with_token_budgets_exports_parses_and_round_trips(

@@ -404,6 +404,19 @@ grpo: {num_prompts_per_step: 128}
     assert actor.parallel.short() == "pp1-tp2-dp16-zero1"
     assert actor.parallel.recompute == "selective" and actor.generation.tp == 4
     assert job.cluster.total_gpus == 32 and "ref" not in plan.roles
+    # Megatron's context parallelism is read (a dp divisor); the DTensor policy's is refused.
+    (tmp_path / "recipes" / "cp.yaml").write_text(
+        "defaults: grpo-7b.yaml\npolicy: {megatron_cfg: {context_parallel_size: 4}}\n")
+    _, plan = import_nemo_rl(Launch(source=str(tmp_path / "recipes" / "cp.yaml"), module=""),
+                             ImportContext(device="h100-80gb"))
+    assert plan.roles["actor"].parallel.short() == "pp1-tp2-dp16-zero1-cp4"
+    (tmp_path / "recipes" / "dtensor-cp.yaml").write_text(
+        "defaults: grpo-7b.yaml\npolicy: {megatron_cfg: {enabled: false}, dtensor_cfg: "
+        "{enabled: true, tensor_parallel_size: 1, context_parallel_size: 2}}\n")
+    with pytest.raises(SpecError) as info:
+        import_nemo_rl(Launch(source=str(tmp_path / "recipes" / "dtensor-cp.yaml"), module=""),
+                       ImportContext(device="h100-80gb"))
+    assert info.value.key == "policy.dtensor_cfg.context_parallel_size"
 
 
 def test_a_nemo_rl_run_script_whose_base_recipe_is_not_here(tmp_path: Path) -> None:

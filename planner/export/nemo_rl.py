@@ -160,6 +160,7 @@ def _policy(par: ParallelConfig, job: JobSpec, engine: str,
         f"{cfg}.num_layers_in_first_pipeline_stage={first}",
         f"{cfg}.num_layers_in_last_pipeline_stage={last}",
         f"{cfg}.context_parallel_size={par.cp}",
+        *_context_parallel_padding(par, job, translation),
         f"{cfg}.expert_model_parallel_size={par.ep}",
         f"{cfg}.expert_tensor_parallel_size={par.etp}",
         f"{cfg}.sequence_parallel={_bool(par.sequence_parallel and par.tp > 1)}",
@@ -171,6 +172,30 @@ def _policy(par: ParallelConfig, job: JobSpec, engine: str,
         f"{cfg}.distributed_data_parallel_config.overlap_param_gather="
         f"{_bool(par.overlap_param_gather)}",
     ]
+
+
+def pad_factor(tp: int, cp: int, sequence_parallel: bool) -> int:
+    """The multiple NeMo-RL's Megatron policy pads each packed sequence to: 2 x cp chunks
+    under context parallelism, times tp under sequence parallelism (N nemo_rl/models/
+    megatron/data.py:1127-1138 at v0.7.0, asserted of make_sequence_length_divisible_by)."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel and tp > 1 else 1)
+
+
+def _context_parallel_padding(par: ParallelConfig, job: JobSpec,
+                              translation: Translation) -> list[str]:
+    """Context parallelism's settings beyond the size: sequence packing (NeMo-RL asserts it,
+    N nemo_rl/models/megatron/setup.py:629-637 at v0.7.0) and a per-sequence padding multiple
+    that splits into 2 x cp chunks (the recipe's default, tp, does not). The padding, under
+    2 x cp x tp tokens a sequence, is not priced."""
+    if par.cp == 1:
+        return []
+    if not job.framework_profile.training.sequence_packing:
+        translation.differ("NeMo-RL's Megatron policy runs context parallelism only on packed "
+                           "sequences; the plan was priced without packing",
+                           key="roles.actor.parallel.cp", fix="set cp: 1",
+                           written="sequence packing on")
+    factor = pad_factor(par.tp, par.cp, par.sequence_parallel)
+    return [f"policy.make_sequence_length_divisible_by={factor}"]
 
 
 def _generation(plan: Plan, job: JobSpec, gen: GenerationConfig,
@@ -267,6 +292,16 @@ def nemo_rl_checks(values: dict[str, str]) -> list[str]:
         problems.append(f"world {world} not divisible by tp x pp (lm_policy.py:197-212)")
         return problems
     dp = world // (tp * pp)
+    cp = number("policy.megatron_cfg.context_parallel_size") if megatron else 1
+    if cp > 1:
+        if values.get("policy.sequence_packing.enabled") != "true":
+            problems.append("context parallelism needs sequence packing (setup.py:629-637)")
+        factor = pad_factor(tp, cp, values.get("policy.megatron_cfg.sequence_parallel") == "true")
+        divisible = number("policy.make_sequence_length_divisible_by") \
+            if "policy.make_sequence_length_divisible_by" in values else tp
+        if divisible % factor:
+            problems.append(f"make_sequence_length_divisible_by {divisible} is not a multiple "
+                            f"of {factor} (data.py:1127-1138)")
     sequences = number("grpo.num_prompts_per_step") * number("grpo.num_generations_per_prompt")
     gbs = number("policy.train_global_batch_size")
     if sequences % gbs:

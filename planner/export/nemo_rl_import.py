@@ -171,9 +171,11 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
                         key="policy.dynamic_batching.enabled")
     megatron = parse_bool(get("policy.megatron_cfg.enabled"), "policy.megatron_cfg.enabled")
     cfg = "policy.megatron_cfg" if megatron else "policy.dtensor_cfg"
-    for key in (f"{cfg}.context_parallel_size",):
-        if parse_int(get(key), key) > 1:
-            raise SpecError("context parallelism is not priced", key=key)
+    if not megatron and parse_int(get(f"{cfg}.context_parallel_size"),
+                                  f"{cfg}.context_parallel_size") > 1:
+        raise SpecError("context parallelism of the DTensor policy is not priced (Megatron's "
+                        "is: policy.megatron_cfg.context_parallel_size)",
+                        key=f"{cfg}.context_parallel_size")
     if not megatron and parse_bool(get(f"{cfg}.cpu_offload"), f"{cfg}.cpu_offload"):
         raise SpecError("host offload of the DTensor policy is not priced",
                         key=f"{cfg}.cpu_offload")
@@ -297,6 +299,10 @@ def _policy(get: Any, job: JobSpec, gpus: int, megatron: bool, *, trained: bool)
         raise SpecError(f"tp x pp = {tp * pp} does not divide the {gpus} training GPUs",
                         key=f"{cfg}.tensor_model_parallel_size")
     dp = gpus // (tp * pp)
+    cp = parse_int(get(f"{cfg}.context_parallel_size"), f"{cfg}.context_parallel_size")
+    if cp < 1 or dp % cp:
+        raise SpecError(f"{cp}: context-parallel ranks are data-parallel ranks; it must divide "
+                        f"the {dp} data-parallel ranks", key=f"{cfg}.context_parallel_size")
     checkpointing = parse_bool(get(f"{cfg}.activation_checkpointing"),
                                f"{cfg}.activation_checkpointing")
     granularity = str(get(f"{cfg}.recompute_granularity"))
@@ -317,5 +323,5 @@ def _policy(get: Any, job: JobSpec, gpus: int, megatron: bool, *, trained: bool)
                                         f"{ddp}.overlap_param_gather"),
         ep=parse_int(get(f"{cfg}.expert_model_parallel_size"), f"{cfg}.expert_model_parallel_size"),
         etp=parse_int(get(f"{cfg}.expert_tensor_parallel_size"),
-                      f"{cfg}.expert_tensor_parallel_size"))
+                      f"{cfg}.expert_tensor_parallel_size"), cp=cp)
     return RolePlan(parallel=par, training_backend="megatron")
