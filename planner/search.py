@@ -41,6 +41,7 @@ from planner.objective import (
 from planner.space import (
     SpaceOptions,
     batching_variants,
+    context_parallel_variants,
     pack,
     placements,
     powers_of_two,
@@ -351,7 +352,8 @@ class Search:
         self.study = self.options.space.backend == "simulated"
         self.variants = self.space.variants(job.gpu_roles, tuple(
             powers_of_two(max(p.group.gpus_per_node for p in self.pools))),
-            batchings=batching_variants(job, self.options.space))
+            batchings=batching_variants(job, self.options.space),
+            context_parallel_sizes=context_parallel_variants(job))
         self.variant = 0
         """Index in ``variants`` of the job-wide settings being searched (the caches below
         are keyed by it)."""
@@ -829,7 +831,8 @@ def brute_force(job: JobSpec, space: SpaceOptions | None = None,
     study = space.backend == "simulated"
     variants = framework.variants(job.gpu_roles, tuple(
         powers_of_two(max(p.group.gpus_per_node for p in pools))),
-        batchings=batching_variants(job, space))
+        batchings=batching_variants(job, space),
+        context_parallel_sizes=context_parallel_variants(job))
     best: Candidate | None = None
     for placement in allowed_placements(job, placements_to_try, study=study):
         for on in itertools.product(range(len(pools)), repeat=len(placement)):

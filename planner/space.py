@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from profiles.framework_space import EngineSpace, FrameworkSpace, GenerationSpace, Variant
-from simulator.plan import RolePlan, torch_runs
+from simulator.plan import RolePlan, torch_family_backend
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig, outer_stage_layers
 
@@ -379,7 +379,8 @@ def _openrlhf_sample_batches(job: JobSpec, role: str, par: ParallelConfig,
                              family: str) -> bool:
     work = job.workload
     return role != "actor" or \
-        work.sequences_per_iteration // work.infer_micro_batch_size >= par.world_size // par.tp
+        work.sequences_per_iteration // work.infer_micro_batch_size \
+        >= par.world_size // (par.tp * par.cp)
 
 
 def _nemo_rl_tp_micro_batches(job: JobSpec, role: str, par: ParallelConfig,
@@ -446,7 +447,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                  for offload in _offloads(trained, engine, job)
                  for sp in ulysses_sizes(job, role, layout, gpus)
                  for group in fsdp_group_sizes(job, role, layout, gpus)
-                 for cp in context_parallel_sizes(job, role, layout, gpus)]
+                 for cp in context_parallel_sizes(job, role, layout, gpus, variant)]
         for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
                                                                  offload_optimizer), sp, \
                 group, cp in knobs:
@@ -462,8 +463,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
                 fsdp_size=group, cp=cp)
             if not meets_batch_rules(job, role, par, space, engine.family):
                 continue
-            backend = "torch" if engine.family == "torch" and torch_runs(par) \
-                else "megatron"
+            backend = torch_family_backend(par) if engine.family == "torch" else "megatron"
             if not generates:
                 out.append(RolePlan(parallel=par, training_backend=backend))
                 continue
@@ -500,23 +500,36 @@ def ulysses_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[in
     return [s for s in powers_of_two(min(job.cluster.gpus_per_node, dp)) if fits(s)]
 
 
-def context_parallel_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:
+def context_parallel_sizes(job: JobSpec, role: str, layout: Layout, gpus: int,
+                           variant: Variant | None = None) -> list[int]:
     """Context-parallel sizes to try: pinned, else 1 and, on an engine that has it and for
     long sequences (as for Ulysses, ULYSSES_FROM_TOKENS), every power of two that keeps the
-    tp x cp ranks inside a node and divides the data-parallel ranks."""
+    tp x cp ranks inside a node and divides the data-parallel ranks; within the variant's one
+    size where the framework has one."""
     pin = job.parallel.get(role)
     dp = gpus // (layout.tp * layout.pp)
 
     def fits(c: int) -> bool:
-        return c == 1 or (layout.engine.context_parallel and layout.sharding != "fsdp"
-                          and dp % c == 0)
+        return (c == 1 or (layout.engine.context_parallel and dp % c == 0)) \
+            and (variant is None or variant.cp in (None, c))
 
     if pin is not None and pin.cp:
         return [pin.cp] if fits(pin.cp) else []
+    if variant is not None and variant.cp is not None:
+        return [variant.cp] if fits(variant.cp) else []
     if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
         return [1]
     return [c for c in powers_of_two(min(job.cluster.gpus_per_node // layout.tp, dp))
             if fits(c)]
+
+
+def context_parallel_variants(job: JobSpec) -> tuple[int, ...]:
+    """The job's choices of one context-parallel size for every model
+    (``FrameworkSpace.one_context_parallel_size``): 1 and, for long sequences, the powers of
+    two up to a node."""
+    if job.workload.max_sequence_tokens < ULYSSES_FROM_TOKENS:
+        return ()
+    return tuple(powers_of_two(job.cluster.gpus_per_node))
 
 
 def fsdp_group_sizes(job: JobSpec, role: str, layout: Layout, gpus: int) -> list[int]:

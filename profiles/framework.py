@@ -81,6 +81,12 @@ class TrainingSettings:
     group that shares a micro-batch, tensor-parallel ranks included (OpenRLHF: the budget
     times ring_attn_size x tensor_parallel_size); False: only the ranks that split each
     sequence (verl: times the Ulysses or context-parallel size)."""
+    context_parallel_exchange: Literal["ring", "all_gather"] = "ring"
+    """How context-parallel ranks get each other's keys and values in every attention layer:
+    ring = Megatron's ring of point-to-point steps hidden behind attention on zigzag-balanced
+    chunks; all_gather = ring-flash-attn's llama3 variant (OpenRLHF's ring attention):
+    all-gathers of the whole micro-batch's keys and values, unhidden, on contiguous slices
+    (``simulator/costs/context_parallel.py``)."""
     logprob_forward_bytes_per_vocab_entry: float = 12.0
     """HBM bytes per token and vocabulary entry of computing log-probs over the full
     vocabulary in a forward pass (a fused fp32 log-softmax: read the logits, write the

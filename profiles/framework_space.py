@@ -55,8 +55,10 @@ class EngineSpace:
     """DeepSpeed-Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size): each
     sequence's tokens split over sp ranks, heads exchanged by all-to-all around attention."""
     context_parallel: bool = False
-    """Megatron context parallelism (context_parallel_size): each sequence's tokens split over
-    cp ranks, keys and values passed around a ring in every attention layer."""
+    """Context parallelism: each sequence's tokens split over cp ranks that exchange keys and
+    values in every attention layer (Megatron's context_parallel_size, OpenRLHF's
+    --ds.ring_attn_size; how they exchange is the profile's
+    training.context_parallel_exchange)."""
     hybrid_shard: bool = False
     """FSDP in groups of fewer than every data-parallel rank, each group holding a whole copy
     (hybrid sharding: verl's fsdp_size, FSDP2's 2-D mesh); searched at whole nodes."""
@@ -217,6 +219,8 @@ class Variant:
     micro_batch: tuple[int, int] | None = None
     """The one (micro_batch_size, micro_batch_tokens) of every trained model (OpenRLHF's
     --train.micro_batch_size and --train.max_tokens_per_gpu)."""
+    cp: int | None = None
+    """The one context-parallel size of every model (OpenRLHF's --ds.ring_attn_size)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -243,6 +247,8 @@ class FrameworkSpace:
     one_trained_recompute: bool = False
     """Every trained model uses one recompute setting (OpenRLHF's one
     --actor.gradient_checkpointing_enable)."""
+    one_context_parallel_size: bool = False
+    """Every model uses one context-parallel size (OpenRLHF's --ds.ring_attn_size)."""
     one_batching: bool = False
     """Every model forms micro-batches the same way: by a token budget or by a sequence count
     for all of them, and the trained models with one micro-batch size and one budget
@@ -298,12 +304,13 @@ class FrameworkSpace:
         return out
 
     def variants(self, roles: tuple[str, ...], tensor_sizes: tuple[int, ...], *,
-                 batchings: tuple[tuple[tuple[int, int] | None, bool], ...] = ()
-                 ) -> tuple[Variant, ...]:
+                 batchings: tuple[tuple[tuple[int, int] | None, bool], ...] = (),
+                 context_parallel_sizes: tuple[int, ...] = ()) -> tuple[Variant, ...]:
         """Every choice of the job-wide settings for a job with GPU ``roles``
         (``tensor_sizes``: the tensor-parallel sizes the cluster's nodes allow;
         ``batchings``: the job's (trained micro-batch or None, by token budget) choices,
-        used when the framework has ``one_batching``)."""
+        used when the framework has ``one_batching``; ``context_parallel_sizes``: the
+        job's, used when it has ``one_context_parallel_size``)."""
         engines: list[str | None] = [None]
         shared = [r for r in self.shared_engine if r in roles]
         if len(shared) > 1 and self.engines:
@@ -320,11 +327,14 @@ class FrameworkSpace:
         batching: list[tuple[tuple[int, int] | None, bool | None]] = [(None, None)]
         if self.one_batching and batchings:
             batching = list(batchings)
+        cps: list[int | None] = [None]
+        if self.one_context_parallel_size and context_parallel_sizes:
+            cps = list(context_parallel_sizes)
         return tuple(Variant(engine=e, tp=t, trained_sharding=s,  # type: ignore[arg-type]
                              recompute=r, micro_batch=m,  # type: ignore[arg-type]
-                             token_budget=b)
-                     for e, t, s, r, (m, b) in itertools.product(engines, tps, shardings,
-                                                                 recomputes, batching))
+                             token_budget=b, cp=c)
+                     for e, t, s, r, (m, b), c in itertools.product(
+                         engines, tps, shardings, recomputes, batching, cps))
 
 
 def parse_engines(value: object, key: str) -> tuple[tuple[str, EngineSpace], ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from profiles.datafile import (
     SpecError,
@@ -113,6 +113,15 @@ def torch_runs(par: ParallelConfig) -> bool:
     FSDP or plain replicas, tensor parallelism without sequence parallelism."""
     return par.pp == 1 and par.vpp == 1 and par.sharding != "optimizer" and par.cp == 1 \
         and not (par.sequence_parallel and par.tp > 1)
+
+
+def torch_family_backend(par: ParallelConfig) -> Literal["torch", "megatron"]:
+    """The executor backend that stands for a layout of a torch-family engine (FSDP,
+    DeepSpeed): megatron for a distributed optimizer (ZeRO-1/2) or a layout only Megatron runs,
+    torch otherwise (context parallelism included, which neither backend executes)."""
+    if par.sharding == "optimizer":
+        return "megatron"
+    return "torch" if torch_runs(par) or par.cp > 1 else "megatron"
 
 
 def megatron_runs(par: ParallelConfig) -> bool:

@@ -478,7 +478,8 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                             dtype=dtype, value_head=value_head, gpus_per_node=gpn,
                             packed=packed,
                             logprob_bytes=training.logprob_forward_bytes_per_vocab_entry,
-                            logits_bytes_per_entry=logits_bytes)
+                            logits_bytes_per_entry=logits_bytes,
+                            cp_exchange=training.context_parallel_exchange)
         activations = cost.activations_bytes
         if max_tokens != mean_tokens or packed is not None:
             activations = forward_pass(
@@ -515,7 +516,8 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                       dtype=dtype, value_head=value_head, gpus_per_node=gpn,
                       grad_bytes=grad_bytes, packed=packed,
                       logprob_bytes=loss_bytes_per_vocab_entry(training, packed),
-                      logits_bytes_per_entry=logits_bytes)
+                      logits_bytes_per_entry=logits_bytes,
+                      cp_exchange=training.context_parallel_exchange)
     activations = step.memory.activations
     if max_tokens != mean_tokens or packed is not None:
         activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,

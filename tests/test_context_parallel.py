@@ -55,9 +55,41 @@ def test_a_rank_holds_one_cp_th_of_each_sequence() -> None:
     assert four.breakdown["tp_comm"] > 0.25 * one.breakdown["tp_comm"]  # the ring adds
 
 
+def test_openrlhfs_ring_attention_all_gathers_every_layer_unhidden() -> None:
+    from simulator.costs.context_parallel import (
+        KV_HEADS_PER_GATHER,
+        all_gather_kv_seconds,
+        busiest_attention_share,
+    )
+    from simulator.costs.primitives import all_gather_seconds, reduce_scatter_seconds
+
+    # Contiguous slices of one sequence: the slice at its end attends to all of it.
+    assert busiest_attention_share(1, 4) == pytest.approx(1.75)
+    assert busiest_attention_share(2, 4) == pytest.approx(1.5)
+    assert busiest_attention_share(8, 4) == 1.0 and busiest_attention_share(1, 1) == 1.0
+    # One KV head per call: qwen2.5-7b has 4 KV heads, 2 per rank under tp 2.
+    forward, backward = all_gather_kv_seconds(
+        MODEL, H100, tokens=4096, tp=2, cp=4, dtype="bf16", attention_seconds=0.0,
+        sequences_per_micro_batch=8, crosses_nodes=False)
+    head_bytes = 4 * 4096 * MODEL.kv_size / MODEL.kv_heads * KV_HEADS_PER_GATHER * 2
+    gather = all_gather_seconds(H100, head_bytes, 4)
+    assert forward == pytest.approx(2 * 2 * gather)  # 2 calls x (keys, values)
+    assert backward == pytest.approx(2 * 2 * (gather + reduce_scatter_seconds(H100,
+                                                                              head_bytes, 4)))
+    # Nothing hides it, and one sequence per micro-batch adds the busiest slice's attention.
+    uneven, _ = all_gather_kv_seconds(
+        MODEL, H100, tokens=4096, tp=2, cp=4, dtype="bf16", attention_seconds=1.0,
+        sequences_per_micro_batch=1, crosses_nodes=False)
+    assert uneven == pytest.approx(forward + 0.75)
+
+
+def test_a_zero3_layout_takes_ring_attention_but_not_with_hybrid_sharding() -> None:
+    assert ParallelConfig(dp=8, cp=4, sharding="fsdp").data_shards == 2
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"dp": 8, "cp": 3}, "must divide dp=8"),
-    ({"dp": 8, "cp": 2, "sharding": "fsdp"}, "Megatron's layouts"),
+    ({"dp": 8, "cp": 2, "sharding": "fsdp", "fsdp_size": 4}, "hybrid sharding"),
     ({"dp": 8, "cp": 2, "ulysses": 2}, "one kind of sequence parallelism"),
 ])
 def test_impossible_layouts_are_refused(fields: dict, message: str) -> None:
@@ -105,10 +137,12 @@ def test_frameworks_without_megatrons_ring_say_so_when_translating() -> None:
     plan = Plan(algorithm="grpo", sets=(ColocatedSet(roles=("actor", "ref"), gpus=16),),
                 roles={"actor": RolePlan(parallel=ring, generation=GenerationConfig(tp=1)),
                        "ref": RolePlan(parallel=replace(ring, sharding="none"))})
+    # OpenRLHF splits sequences too, with all-gathers instead of the ring the price assumed.
     translation = Translation(target="openrlhf", exact=False)
-    export_files(plan, long_job(), "openrlhf", translation=translation)
-    assert [n for n in translation.notes if n.startswith("roles.actor.parallel.cp")]
-    assert [n for n in translation.notes if n.startswith("roles.ref.parallel.cp")]
+    files = export_files(plan, long_job(), "openrlhf", translation=translation)
+    assert "--ds.ring_attn_size=2" in files["openrlhf_args.txt"].splitlines()
+    assert [n for n in translation.notes
+            if n.startswith("roles.actor.parallel.cp") and "all-gathers" in n]
     # NeMo-RL's Megatron policy writes it.
     files = export_files(plan, long_job(), "nemo-rl",
                          translation=Translation(target="nemo-rl", exact=False))

@@ -286,3 +286,26 @@ def test_an_openrlhf_plan_with_token_budgets_exports_parses_and_round_trips(
     again = evaluate(back_job, None, "searched", plan=back)
     assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
                                                     rel=1e-9)
+
+
+def test_an_openrlhf_plan_with_ring_attention_exports_parses_and_round_trips(
+        tmp_path: Path) -> None:
+    # 16k-token sequences: the search tries one --ds.ring_attn_size for every model; the
+    # export writes it with its head stride, OpenRLHF's parser and checks take it, and the
+    # import reads it back at the same price.
+    job = long_grpo("openrlhf", parallel={"actor": {"cp": 2}})
+    best = Search(job, SearchOptions(top_k=1, space=SpaceOptions(micro_batches=(1,)))).run().best
+    assert best is not None
+    plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
+    assert {rp.parallel.cp for rp in plan.roles.values()} == {2}
+    files = export_files(plan, job, "openrlhf")
+    from tests.test_export_frameworks import openrlhf_parse
+
+    args = openrlhf_parse([a for a in files["openrlhf_args.txt"].splitlines() if a])
+    assert (args.ds.ring_attn_size, args.ds.ring_attn_head_stride) == (2, 1)
+    assert args.ds.packing_samples
+    back_job, back = reimported("openrlhf", job, files, tmp_path)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)

@@ -276,7 +276,7 @@ def test_openrlhf_forms_every_models_micro_batches_one_way() -> None:
     edited = replace(critic.parallel, micro_batch_size=critic.parallel.micro_batch_size + 1,
                      micro_batch_tokens=0)
     plan.roles["critic"] = replace(critic, parallel=edited)
-    with pytest.raises(SpecError, match="one --train.micro_batch_size") as info:
+    with pytest.raises(SpecError, match=r"one --train\.micro_batch_size") as info:
         openrlhf_args(plan, job)
     assert info.value.key == "roles.critic.parallel.micro_batch_size"
     # verl keeps choosing per model (no one_batching).

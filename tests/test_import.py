@@ -210,7 +210,7 @@ def test_an_openrlhf_launch_with_token_budgets(tmp_path: Path) -> None:
 --train.max_tokens_per_gpu 8192
 """
     launch = read_launch(write(tmp_path / "args.txt", lines), ("openrlhf.cli.train_ppo_ray",))
-    job, plan = import_openrlhf(launch, ImportContext(device="h100-80gb"))
+    _, plan = import_openrlhf(launch, ImportContext(device="h100-80gb"))
     # The experience's budget defaults to the training's (packing turned on with them).
     for role in ("actor", "ref"):
         assert plan.roles[role].parallel.infer_micro_batch_tokens == 8192
@@ -221,6 +221,20 @@ def test_an_openrlhf_launch_with_token_budgets(tmp_path: Path) -> None:
                                           ("openrlhf.cli.train_ppo_ray",)),
                               ImportContext(device="h100-80gb"))
     assert plan.roles["ref"].parallel.infer_micro_batch_tokens == 16384
+    # Ring attention: one size for every model, at OpenRLHF's one KV head per all-gather.
+    ring = lines + "--ds.ring_attn_size 2\n"
+    _, plan = import_openrlhf(read_launch(write(tmp_path / "ring.txt", ring),
+                                          ("openrlhf.cli.train_ppo_ray",)),
+                              ImportContext(device="h100-80gb"))
+    assert {rp.parallel.cp for rp in plan.roles.values()} == {2}
+    for extra, key in (("--ds.ring_attn_size 3\n", "--ds.ring_attn_size"),
+                       ("--ds.ring_attn_size 2\n--ds.ring_attn_head_stride 2\n",
+                        "--ds.ring_attn_head_stride")):
+        with pytest.raises(SpecError) as info:
+            import_openrlhf(read_launch(write(tmp_path / "odd.txt", lines + extra),
+                                        ("openrlhf.cli.train_ppo_ray",)),
+                            ImportContext(device="h100-80gb"))
+        assert info.value.key == key
     bad = lines + "--train.max_tokens_per_gpu 0\n"
     with pytest.raises(SpecError) as info:
         import_openrlhf(read_launch(write(tmp_path / "bad.txt", bad),

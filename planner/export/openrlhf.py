@@ -29,6 +29,7 @@ from planner.export import (
 from planner.export.verl import model_path
 from profiles.datafile import SpecError
 from profiles.framework import load_framework
+from simulator.costs.context_parallel import KV_HEADS_PER_GATHER
 from simulator.plan import Plan
 from simulator.predict import shard_budget_tokens
 from simulator.specs.job import RULE, JobSpec
@@ -102,6 +103,26 @@ def _check_one_zero_stage(plan: Plan) -> None:
                         f"plan has {shown}: give both sharding {trained['actor']}", key="roles")
 
 
+def _ring_attention(plan: Plan, job: JobSpec, translation: Translation) -> list[str]:
+    """One --ds.ring_attn_size for every model, the plan's context parallelism, exchanged as
+    OpenRLHF exchanges it (``context_parallel_exchange`` all_gather, one KV head per call)."""
+    cps = {role: rp.parallel.cp for role, rp in plan.roles.items()}
+    cp = cps["actor"]
+    if len(set(cps.values())) > 1:
+        shown = ", ".join(f"{r} cp={c}" for r, c in cps.items())
+        translation.differ(f"OpenRLHF 0.11 uses one --ds.ring_attn_size for every model; the "
+                           f"plan has {shown}", key="roles",
+                           fix=f"give every role cp: {cp}", written=f"ring_attn_size {cp}")
+    if cp > 1 and job.framework_profile.training.context_parallel_exchange != "all_gather":
+        translation.differ("OpenRLHF's ring attention all-gathers keys and values in every "
+                           "layer; the plan priced Megatron's ring", key="roles.actor.parallel.cp",
+                           fix="plan the job with framework: openrlhf",
+                           written=f"--ds.ring_attn_size={cp}")
+    if cp == 1:
+        return []
+    return [f"--ds.ring_attn_size={cp}", f"--ds.ring_attn_head_stride={KV_HEADS_PER_GATHER}"]
+
+
 def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
     """One ZeRO stage and one AutoTP size for every model (``_check_one_tp``,
     ``_check_one_zero_stage``); frozen models sharded exactly when training is ZeRO-3."""
@@ -112,12 +133,6 @@ def _deepspeed(plan: Plan, translation: Translation) -> list[str]:
     stage = ZERO_STAGE[next(iter(trained.values()), "optimizer")] or 1
     frozen = "fsdp" if stage == 3 else "none"
     for role, rp in plan.roles.items():
-        if rp.parallel.cp > 1:
-            translation.differ("OpenRLHF's sequence parallelism is ring attention over "
-                               "DeepSpeed (--ds.ring_attn_size), which is not priced; "
-                               f"{role} has Megatron context parallelism cp={rp.parallel.cp}",
-                               key=f"roles.{role}.parallel.cp", fix="set cp: 1",
-                               written="no sequence parallelism")
         if rp.parallel.ulysses > 1:
             translation.differ("OpenRLHF's sequence parallelism is ring attention "
                                "(--ds.ring_attn_size), not Ulysses; "
@@ -329,6 +344,7 @@ def openrlhf_args(plan: Plan, job: JobSpec, translation: Translation | None = No
         out += [f"--{role}.num_nodes={nodes}", f"--{role}.num_gpus_per_node={per_node}"]
     out += flags
     out += deepspeed
+    out += _ring_attention(plan, job, translation)
     sequences = work.sequences_per_iteration
     generating_gpus = plan.rollout.gpus if plan.rollout is not None else plan.set_of("actor").gpus
     out += [

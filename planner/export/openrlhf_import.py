@@ -26,7 +26,8 @@ from planner.export.importing import (
 from planner.export.launch import Launch
 from planner.export.openrlhf import ESTIMATOR, PAIRS
 from profiles.datafile import SpecError
-from simulator.plan import Plan, RolePlan
+from simulator.costs.context_parallel import KV_HEADS_PER_GATHER
+from simulator.plan import Plan, RolePlan, torch_family_backend
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.specs.workload import Workload
@@ -44,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "rollout.micro_batch_size": 1, "data.max_len": 2048,
     "algo.kl.init_coef": 0.01, "train.async_queue_size": 1,
     "algo.advantage.estimator": "gae", "train.max_tokens_per_gpu": 16192,
+    "ds.ring_attn_size": 1, "ds.ring_attn_head_stride": 1,
 }
 
 LEGACY = {
@@ -133,10 +135,13 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     for key, why in UNPRICED.items():
         if s.flag(key):
             raise SpecError(why, key=f"--{key}")
-    if s.int("ds.ring_attn_size") > 1 if "ds.ring_attn_size" in s.values else False:
-        raise SpecError("ring attention is not priced yet", key="--ds.ring_attn_size")
-    # --train.dynamic_batch_enable turns packing on itself (O cli/train_ppo_ray.py:691-694).
-    if not s.flag("ds.packing_samples") and not s.flag("train.dynamic_batch_enable"):
+    if s.int("ds.ring_attn_head_stride") != KV_HEADS_PER_GATHER:
+        raise SpecError(f"ring attention is priced at {KV_HEADS_PER_GATHER} KV head per "
+                        "all-gather (OpenRLHF's default)", key="--ds.ring_attn_head_stride")
+    # --train.dynamic_batch_enable and --ds.ring_attn_size turn packing on themselves
+    # (O cli/train_ppo_ray.py:686-694).
+    if not s.flag("ds.packing_samples") and not s.flag("train.dynamic_batch_enable") \
+            and s.int("ds.ring_attn_size") == 1:
         raise SpecError("padded micro-batches are not priced (the price counts real tokens); "
                         "add --ds.packing_samples", key="--ds.packing_samples")
     estimator = s.text("algo.advantage.estimator") or "gae"
@@ -259,6 +264,7 @@ def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict
             partial: bool) -> LaunchLayout:
     stage = s.int("ds.zero_stage")
     tp = s.int("ds.tensor_parallel_size")
+    cp = s.int("ds.ring_attn_size")
     recompute = "full" if s.flag("actor.gradient_checkpointing_enable") else "none"
     train_tokens, forward_tokens = _token_budgets(s)
     trained_sharding = {0: "none", 1: "optimizer", 2: "optimizer", 3: "fsdp"}.get(stage)
@@ -268,6 +274,9 @@ def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict
     for role in job.gpu_roles:
         world = gpus[role]
         dp = world // tp
+        if cp < 1 or dp % cp:
+            raise SpecError(f"{cp}: ring attention groups split the {dp} GPUs / tp of "
+                            f"{role}; it must divide them", key="--ds.ring_attn_size")
         trained = role in job.dataflow.trained_roles
         sharding = (trained_sharding if dp > 1 else "none") if trained else (
             "fsdp" if stage == 3 and dp > 1 else "none")
@@ -281,9 +290,8 @@ def _layout(s: Settings, job: JobSpec, groups: list[tuple[str, ...]], gpus: dict
                              else job.workload.infer_micro_batch_size,
                              overlap_grad_reduce=grad, overlap_param_gather=param,
                              micro_batch_tokens=train_tokens if trained else 0,
-                             infer_micro_batch_tokens=forward_tokens)
-        plans[role] = RolePlan(parallel=par, training_backend="torch" if sharding != "optimizer"
-                               else "megatron")
+                             infer_micro_batch_tokens=forward_tokens, cp=cp)
+        plans[role] = RolePlan(parallel=par, training_backend=torch_family_backend(par))
     seqs, _ = job.rollout_defaults()
     plans["actor"] = replace(plans["actor"], generation=GenerationConfig(
         tp=gen_tp, pp=1, max_num_seqs=seqs,

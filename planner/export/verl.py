@@ -264,6 +264,14 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
                         "remax; no cost model)", key="algorithm")
     _check_placement(plan, job)
     engine = _engine(plan, job)
+    if engine == "fsdp":
+        for role, rp in plan.roles.items():
+            if rp.parallel.cp > 1 and role != "reward":
+                translation.differ("verl's FSDP engine splits sequences with Ulysses only; "
+                                   f"{role} has context parallelism cp={rp.parallel.cp}",
+                                   key=f"roles.{role}.parallel.cp",
+                                   fix="set cp: 1, or train with Megatron",
+                                   written="no sequence split")
     work = job.workload
     mode = plan.mode
     gpn = job.cluster.pool_of(plan.set_of("actor").node_group).group.gpus_per_node

@@ -51,8 +51,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
                  attention: AttentionImpl = "flash",
                  packed: PackedBatch | None = None,
                  logprob_bytes: float = LOSS_BYTES_PER_VOCAB_ENTRY,
-                 logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES
-                 ) -> InferenceCost:
+                 logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES,
+                 cp_exchange: str = "ring") -> InferenceCost:
     """Forward ``sequences`` sequences of ``seq_len`` tokens through the model laid out as
     ``par``; the data-parallel ranks split the sequences (with ``packed``, the busiest rank
     runs its packed micro-batches instead; ``logprob_bytes``: the log-prob pass's memory traffic
@@ -83,7 +83,8 @@ def forward_pass(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, 
     tp_comm += layout_ring_seconds(
         model, profile, par, tokens=mbs * seq_len, dtype=dtype,
         attention_seconds=layer.attention_core_seconds * compute_scale,
-        gpus_per_node=gpus_per_node)[0]
+        gpus_per_node=gpus_per_node, exchange=cp_exchange,
+        sequences_per_micro_batch=mbs * par.ulysses * par.cp)[0]
     stage = stage_layers(model.layers, par.pp) * (forward + tp_comm)
     if par.sharding == "fsdp" and par.dp > 1:
         gather = all_gather_seconds(profile, model.params_per_layer / par.tp * DTYPE_BYTES[dtype],

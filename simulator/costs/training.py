@@ -174,14 +174,15 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                packed: PackedBatch | None = None,
                logprob_bytes: tuple[float, float] = (LOSS_BYTES_PER_VOCAB_ENTRY,
                                                      2 * LOSS_BYTES_PER_VOCAB_ENTRY),
-               logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES
-               ) -> TrainingCost:
+               logits_bytes_per_entry: float = FP32_LOGITS_AND_GRADIENT_BYTES,
+               cp_exchange: str = "ring") -> TrainingCost:
     """One optimizer step on ``global_batch`` sequences of ``seq_len`` tokens
     (``grad_bytes``: as in ``optimizer_memory``); with ``packed``, the busiest data-parallel
     rank's packed micro-batches instead of ``micro_batch_size`` sequences each;
     ``logprob_bytes``: memory traffic of the loss's log-probs per token and vocabulary entry,
     forward and backward; ``logits_bytes_per_entry``: bytes the loss holds per token and
-    vocabulary entry)."""
+    vocabulary entry; ``cp_exchange``: how context-parallel ranks exchange keys and values,
+    ``layout_ring_seconds``)."""
     b = DTYPE_BYTES[dtype]
     mbs: float = par.micro_batch_size
     micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
@@ -224,7 +225,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     ring_forward, ring_backward = layout_ring_seconds(
         model, profile, par, tokens=tokens, dtype=dtype,
         attention_seconds=layer.attention_core_seconds * compute_scale,
-        gpus_per_node=gpus_per_node)
+        gpus_per_node=gpus_per_node, exchange=cp_exchange,
+        sequences_per_micro_batch=mbs * par.ulysses * par.cp)
     body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
                                    + ring_backward)
 

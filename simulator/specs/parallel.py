@@ -103,11 +103,13 @@ class ParallelConfig:
     """The same for the optimizer states (and fp32 master weights) around each update
     (verl's optimizer_offload)."""
     cp: int = 1
-    """Megatron context parallelism (context_parallel_size): each sequence's tokens are split
-    over this many of the dp ranks, which exchange keys and values around a ring in every
-    attention layer (``simulator/costs/context_parallel.py``); the batch is split over dp / cp
-    data shards and gradients reduced over all dp ranks, as Megatron reduces them over its
-    data x context-parallel group. Megatron layouts only (not FSDP)."""
+    """Context parallelism: each sequence's tokens are split over this many of the dp ranks,
+    which exchange keys and values in every attention layer, as the framework's
+    ``context_parallel_exchange`` says (``simulator/costs/context_parallel.py``): Megatron's
+    context_parallel_size (a ring) or OpenRLHF's --ds.ring_attn_size (all-gathers, also under
+    ZeRO-3). The batch is split over dp / cp data shards and gradients reduced over all dp
+    ranks, as Megatron reduces them over its data x context-parallel group and DeepSpeed over
+    its whole world. Not with hybrid sharding (fsdp_size)."""
     fsdp_size: int = 0
     """FSDP only: hybrid sharding (HSDP). Each parameter, gradient and optimizer state is
     split over groups of this many consecutive dp ranks and replicated over the dp /
@@ -142,9 +144,9 @@ class ParallelConfig:
         require(self.cp == 1 or self.ulysses == 1,
                 "one kind of sequence parallelism per layout: Ulysses (FSDP engines) or "
                 "context parallelism (Megatron)", "cp")
-        require(self.cp == 1 or self.sharding != "fsdp",
-                "context parallelism runs with Megatron's layouts (sharding none or "
-                "optimizer), not FSDP", "cp")
+        require(self.cp == 1 or self.fsdp_size == 0,
+                "context parallelism with hybrid sharding (fsdp_size) is not priced: no "
+                "framework here runs them together", "cp")
         require(self.fsdp_size >= 0, f"must be >= 0 (0: shard over every dp rank), got "
                 f"{self.fsdp_size}", "fsdp_size")
         if self.fsdp_size:
