@@ -510,7 +510,7 @@ def _price_cap(job: JobSpec, node: Node, gen: GenerationConfig, lengths: Replica
         model = job.model(node.role)
         profile = job.cluster.profile()
         gpn = job.cluster.gpus_per_node
-        rollout = job.framework_profile.rollout
+        rollout = job.rollout
         seconds, _, peak_tokens = decode(
             model, profile, gen, lengths=lengths, prompt_len=work.prompt_length, cap=cap,
             dtype=work.dtype, gpus_per_node=gpn, cuda_graphs=rollout.cuda_graphs,

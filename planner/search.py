@@ -776,9 +776,8 @@ def fastest_generation_seconds(job: JobSpec, name: str, plan: RolePlan) -> float
     profile = job.cluster.profile()
     seconds, _, _ = decode(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                            cap=cap, dtype=work.dtype, gpus_per_node=job.cluster.gpus_per_node,
-                           cuda_graphs=job.framework_profile.rollout.cuda_graphs,
-                           host_seconds_per_sequence=job.framework_profile.rollout
-                           .decode_host_seconds_per_sequence)
+                           cuda_graphs=job.rollout.cuda_graphs,
+                           host_seconds_per_sequence=job.rollout.decode_host_seconds_per_sequence)
     return seconds + prefill_seconds(model, profile, gen, sequences=lengths.sequences,
                                      prompt_len=work.prompt_length, dtype=work.dtype,
                                      gpus_per_node=job.cluster.gpus_per_node) \

@@ -330,18 +330,20 @@ def generation_shapes(job: JobSpec, role: str, gpus: int, par: ParallelConfig,
         if pins.get("generation_tp", gen_tp) != gen_tp:
             continue
         out += [(gen_tp, gen_pp) for gen_pp in _generation_pipelines(
-            model.layers, par, gen_tp, gpus, shards, pins, space, gpn)]
+            model.layers, par, gen_tp, gpus, shards, pins, space, gpn,
+            engine_pipelines=job.rollout.pipeline_parallel)]
     return out
 
 
 def _generation_pipelines(layers: int, par: ParallelConfig, gen_tp: int, gpus: int,
                           shards: int, pins: dict[str, Any], space: FrameworkSpace,
-                          gpn: int) -> list[int]:
-    """pp_g to try for one tp_g (pinned; 1 when the framework's engine runs no pipeline)."""
+                          gpn: int, *, engine_pipelines: bool = True) -> list[int]:
+    """pp_g to try for one tp_g (pinned; 1 when the framework or its engine runs no
+    pipeline)."""
     nested = space.generation.nested
     if "generation_pp" in pins:
         candidates = [pins["generation_pp"]]
-    elif not space.generation.pipeline_parallel:
+    elif not space.generation.pipeline_parallel or not engine_pipelines:
         candidates = [1]
     elif nested:
         # Uneven training stages group into generation stages vLLM would cut otherwise (61
@@ -680,6 +682,6 @@ def free_cache_choices(job: JobSpec, pins: dict[str, Any],
     memory through training); else the framework's default (None)."""
     if "free_cache" in pins:
         return (pins["free_cache"],)
-    if "free_cache" in space.searchable_rollout and job.framework_profile.rollout.free_kv_cache:
+    if "free_cache" in space.searchable_rollout and job.rollout.free_kv_cache:
         return (True, False)
     return (None,)

@@ -18,7 +18,14 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
-from profiles.datafile import SpecError, from_mapping, read_mapping, require
+from profiles.datafile import (
+    SpecError,
+    convert,
+    field_parser,
+    from_mapping,
+    read_mapping,
+    require,
+)
 from profiles.framework_space import FrameworkSpace
 
 FRAMEWORKS_DIR = Path(__file__).resolve().parent / "frameworks"
@@ -142,6 +149,17 @@ class RolloutSettings:
     (0: weights are dropped, as at level 2, or kept)."""
     weight_restore_bytes_per_s: float = 0.0
     """...and back to the GPU at this rate when it wakes (0: nothing to restore)."""
+    weight_backup_on_host_link: bool = False
+    """The engine backs its weights up to pinned host memory by plain copies when it sleeps
+    and copies them back when it wakes, at the device profile's ``host_link`` pinned rate
+    (torch_memory_saver's CPU backup under SGLang); the measured rates above are then 0."""
+    pipeline_parallel: bool = True
+    """The framework starts the engine with a pipeline-parallel size (vLLM's
+    pipeline_parallel_size); False: tensor (and expert) parallelism only."""
+    workspace_in_memory_fraction: bool = True
+    """The engine's memory fraction bounds its weights, KV cache and activation workspace
+    (vLLM's gpu_memory_utilization); False: weights and KV cache only, the workspace sits
+    outside it (SGLang's mem_fraction_static)."""
     weights_alias_training: bool = False
     """The engine computes on views of the training shards (the 3D-HybridEngine), so it adds
     only the gathered rest; otherwise (vLLM) it holds its own copy of the weights."""
@@ -163,6 +181,10 @@ class RolloutSettings:
         require(0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]",
                 "gpu_memory_utilization")
         require(self.max_num_seqs >= 1, "must be a positive integer", "max_num_seqs")
+        require(not self.weight_backup_on_host_link
+                or (self.weight_backup_bytes_per_s == 0 and self.weight_restore_bytes_per_s == 0),
+                "the host link's rate prices the backup: set weight_backup_bytes_per_s and "
+                "weight_restore_bytes_per_s to 0", "weight_backup_on_host_link")
 
 
 HostCopy = Literal["pinned_buffer", "new_pageable", "freed"]
@@ -282,6 +304,12 @@ class FrameworkProfile:
     passes: Passes = field(default_factory=Passes)
     training: TrainingSettings = field(default_factory=TrainingSettings)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    rollout_engine: str = "vllm"
+    """The rollout engine ``rollout:`` describes (the framework's default)."""
+    rollout_engines: tuple[tuple[str, RolloutSettings], ...] = field(
+        default=(), metadata=field_parser(lambda value, key: _parse_engines(value, key)))
+    """Other rollout engines the framework runs, by name, each read as ``rollout:`` with its
+    own settings on top (a job picks one with ``rollout_engine:``)."""
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     fixed_costs: FixedCosts = field(default_factory=FixedCosts)
@@ -289,10 +317,46 @@ class FrameworkProfile:
     """What the framework can express: the search space of its jobs
     (``profiles/framework_space.py``)."""
 
+    @property
+    def rollout_engine_names(self) -> tuple[str, ...]:
+        return (self.rollout_engine, *(name for name, _ in self.rollout_engines))
+
+    def rollout_for(self, engine: str | None) -> RolloutSettings:
+        """The settings of rollout engine ``engine`` (None: the default)."""
+        if engine is None or engine == self.rollout_engine:
+            return self.rollout
+        for name, settings in self.rollout_engines:
+            if name == engine:
+                return settings
+        raise SpecError(f"framework {self.name} has no rollout engine {engine!r} (engines: "
+                        f"{', '.join(self.rollout_engine_names)})", key="rollout_engine")
+
     def transition_scheme(self, sharding: str) -> TransitionScheme:
         """The resharding scheme for an actor trained with ``sharding``."""
         return self.training.transition_fsdp if sharding == "fsdp" else \
             self.training.transition_megatron
+
+
+def _parse_engines(value: object, key: str) -> tuple[tuple[str, RolloutSettings], ...]:
+    """``rollout_engines:`` as a mapping of engine name -> RolloutSettings (each already
+    merged onto ``rollout:`` by ``_engines_on_rollout``)."""
+    if not isinstance(value, dict):
+        raise SpecError(f"expected a mapping of engine name -> rollout settings, got "
+                        f"{value!r}", key=key)
+    return tuple((str(name), convert(settings or {}, RolloutSettings, f"{key}.{name}"))
+                 for name, settings in value.items())
+
+
+def _engines_on_rollout(data: dict) -> dict:
+    """The profile's mapping with each of ``rollout_engines`` read as ``rollout:`` plus its
+    own settings."""
+    engines = data.get("rollout_engines")
+    if not isinstance(engines, dict):
+        return data
+    rollout = data.get("rollout") or {}
+    return {**data, "rollout_engines": {
+        name: _merged(rollout, settings) if isinstance(settings, dict) else settings
+        for name, settings in engines.items()}}
 
 
 def available_frameworks() -> list[str]:
@@ -350,7 +414,8 @@ def framework_mapping(name_or_path: str, chain: tuple[str, ...] = ()) -> dict:
 def load_framework(name_or_path: str = DEFAULT_FRAMEWORK) -> FrameworkProfile:
     """A framework profile by name (``verl``) or path (read once; profiles are immutable)."""
     path = resolve_framework_path(name_or_path)
-    return from_mapping(FrameworkProfile, framework_mapping(name_or_path), source=str(path))
+    return from_mapping(FrameworkProfile, _engines_on_rollout(framework_mapping(name_or_path)),
+                        source=str(path))
 
 
 def write_fixed_costs_profile(base: str, fixed: FixedCosts, path: str | Path,
@@ -374,8 +439,8 @@ def write_fixed_costs_profile(base: str, fixed: FixedCosts, path: str | Path,
                               "hybridflow calibrate",
                "fixed_costs": to_mapping(fixed)}
     from_mapping(FrameworkProfile,
-                 _merged(framework_mapping(base), {k: v for k, v in mapping.items()
-                                                   if k != "base"}), source=str(out))
+                 _engines_on_rollout(_merged(framework_mapping(base), {
+                     k: v for k, v in mapping.items() if k != "base"})), source=str(out))
     text = yaml.safe_dump(mapping, sort_keys=False)
     write_text_atomic(out, (header if header.endswith("\n") or not header else header + "\n")
                       + text)

@@ -295,7 +295,7 @@ def extra_generation_weights(job: JobSpec, engine_weights: float,
     the training shard lacks; a separate engine (vLLM) its whole copy; and the whole copy
     too when the framework offloaded the training parameters."""
     framework = job.framework_profile
-    if framework.rollout.weights_alias_training and not framework.offload.params:
+    if job.rollout.weights_alias_training and not framework.offload.params:
         return max(0.0, engine_weights - training_params)
     return engine_weights
 
@@ -306,7 +306,8 @@ def kv_budget_bytes(job: JobSpec, gen: GenerationConfig, *, engine_weights: floa
     the device, minus its weights and workspace; vLLM applies it per instance) and what the
     GPU has left beside the set's resident state, whichever is smaller."""
     profile = job.cluster.profile()
-    engine = gen.memory_utilization * profile.memory_bytes - engine_weights - workspace
+    engine = gen.memory_utilization * profile.memory_bytes - engine_weights - (
+        workspace if job.rollout.workspace_in_memory_fraction else 0.0)
     device = profile.usable_memory_bytes - resident_during - extra_weights - workspace
     return min(engine, device)
 
@@ -316,7 +317,7 @@ def frees_cache(job: JobSpec, gen: GenerationConfig) -> bool:
     choice, else the framework's default."""
     if gen.free_cache is not None:
         return gen.free_cache
-    return job.framework_profile.rollout.free_kv_cache
+    return job.rollout.free_kv_cache
 
 
 def held_engine_bytes(job: JobSpec, gen: GenerationConfig, *, extra_weights: float,
@@ -336,7 +337,7 @@ def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
     before it when the framework frees the KV cache between iterations, with the copy of its
     weights to host and back at sleep level 1. A ``dedicated`` rollout set (asynchronous
     modes) shares its GPUs with no training and never sleeps."""
-    rollout = job.framework_profile.rollout
+    rollout = job.rollout
     if not frees_cache(job, gen) or dedicated:
         return 0.0, 0.0
     sleep, wake = rollout.sleep_seconds, rollout.wake_seconds
@@ -345,6 +346,14 @@ def generation_sleep_wake_seconds(job: JobSpec, model: ModelSpec,
         sleep += weights / rollout.weight_backup_bytes_per_s
     if rollout.weight_restore_bytes_per_s > 0:
         wake += weights / rollout.weight_restore_bytes_per_s
+    if rollout.weight_backup_on_host_link:
+        link = job.cluster.profile().host_link
+        if link is None:
+            raise SpecError(f"the {job.rollout_engine} engine backs its weights up to host "
+                            f"memory, but device profile {job.cluster.profile().name} has no "
+                            "host_link", key="host_link")
+        sleep += weights / link.pinned_bytes_per_s
+        wake += weights / link.pinned_bytes_per_s
     return sleep, wake
 
 
@@ -435,7 +444,7 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
         budget = kv_budget_bytes(job, gen, engine_weights=engine_weights, workspace=workspace,
                                  resident_during=set_resident_bytes - offloaded.total,
                                  extra_weights=extra_weights)
-        rollout = job.framework_profile.rollout
+        rollout = job.rollout
         cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
                         kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
                         cuda_graphs=rollout.cuda_graphs,

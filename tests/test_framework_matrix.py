@@ -217,6 +217,16 @@ def test_a_context_parallel_plan_exports_passes_verl_and_round_trips(tiny_model:
         in files["verl_overrides.txt"]
 
 
+def test_an_sglang_plan_exports_passes_verl_and_round_trips(tiny_model: Path,
+                                                             tmp_path: Path) -> None:
+    # The job's rollout engine is SGLang: the export names it, verl's own config code takes
+    # it, and the import reads it back (the engine included) at the same price.
+    job = replace(matrix_job("verl", "grpo", 16, "sync"), rollout_engine="sglang")
+    plan, files = verl_round_trip(job, "fsdp", tiny_model, tmp_path)
+    assert "actor_rollout_ref.rollout.name=sglang" in files["verl_overrides.txt"]
+    assert plan.roles["actor"].generation.pp == 1
+
+
 def long_grpo(framework: str, **extra: object) -> JobSpec:
     """GRPO on 16 H100s with responses up to 16k tokens (where context parallelism is
     searched)."""

@@ -281,3 +281,15 @@ def test_openrlhf_forms_every_models_micro_batches_one_way() -> None:
     assert info.value.key == "roles.critic.parallel.micro_batch_size"
     # verl keeps choosing per model (no one_batching).
     assert batching_variants(ppo("verl", 16), options) == ()
+
+
+def test_sglang_generates_without_pipelines() -> None:
+    # verl passes SGLang no pipeline size: the search offers generation pp 1 only, where with
+    # vLLM it pipelines once tensor parallelism fills a node.
+    job = replace(ppo("verl", 16), models={
+        "actor": MODEL_PRESETS["llama3-70b"], "critic": MODEL_PRESETS["qwen2.5-0.5b"],
+        "ref": MODEL_PRESETS["llama3-70b"], "reward": MODEL_PRESETS["qwen2.5-0.5b"]})
+    vllm = {rp.generation.pp for rp in role_configs(job, "actor", 16)}
+    sglang = {rp.generation.pp for rp in role_configs(replace(job, rollout_engine="sglang"),
+                                                      "actor", 16)}
+    assert vllm == {1, 2} and sglang == {1}

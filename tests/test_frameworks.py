@@ -349,3 +349,53 @@ def test_verls_search_keeps_the_cache_where_it_fits_and_frees_it_where_it_does_n
     openrlhf = replace(keep_cache_job(), framework="openrlhf")
     best = Search(openrlhf, SearchOptions(top_k=1)).run().best
     assert best.to_plan(openrlhf).roles["actor"].generation.free_cache is None
+
+
+def test_sglang_backs_its_weights_up_over_the_host_link_and_keeps_its_workspace_outside(
+) -> None:
+    # verl with SGLang: the same engine settings as vLLM, but the sleep copies the engine's
+    # weights to pinned host memory and the wake copies them back (torch_memory_saver's CPU
+    # backup), and mem_fraction_static leaves the workspace outside the fraction.
+    from simulator.costs.generation import workspace_bytes
+    from simulator.predict import generation_sleep_wake_seconds, kv_budget_bytes
+
+    vllm = grpo_8b("verl")
+    sglang = replace(vllm, rollout_engine="sglang")
+    assert load_framework("verl").rollout_engine_names == ("vllm", "sglang")
+    gen = GenerationConfig(tp=2)
+    model = vllm.model("actor")
+    weights = generation_weight_bytes(model, gen, "bf16")
+    link = vllm.cluster.profile().host_link
+    v_sleep, v_wake = generation_sleep_wake_seconds(vllm, model, gen)
+    s_sleep, s_wake = generation_sleep_wake_seconds(sglang, model, gen)
+    assert s_sleep - v_sleep == pytest.approx(weights / link.pinned_bytes_per_s)
+    assert s_wake - v_wake == pytest.approx(weights / link.pinned_bytes_per_s)
+    workspace = workspace_bytes(model, gen, "bf16")
+    budgets = [kv_budget_bytes(job, gen, engine_weights=weights, workspace=workspace,
+                               resident_during=0.0, extra_weights=weights)
+               for job in (vllm, sglang)]
+    assert budgets[1] - budgets[0] == pytest.approx(workspace)
+    # verl starts SGLang with no pipeline size.
+    assert not sglang.rollout.pipeline_parallel and vllm.rollout.pipeline_parallel
+
+
+def test_a_rollout_engine_the_framework_does_not_run_is_refused() -> None:
+    with pytest.raises(SpecError, match="no rollout engine 'sglang'") as info:
+        replace(grpo_8b("openrlhf"), rollout_engine="sglang")
+    assert info.value.key == "rollout_engine"
+    with pytest.raises(SpecError, match="engines: vllm, sglang"):
+        replace(grpo_8b("verl"), rollout_engine="trtllm")
+    # A verl job on SGLang exported to OpenRLHF (vLLM only) says so.
+    from planner.export import Translation, export_files
+
+    job = job_from_mapping({
+        "algorithm": "grpo", "framework": "verl", "rollout_engine": "sglang",
+        "models": {"actor": "llama3.1-8b", "ref": "llama3.1-8b", "reward": "llama3.1-8b"},
+        "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "h100-80gb"},
+        "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 8,
+                     "prompt_length": 128, "response_length": 512,
+                     "mini_batches_per_epoch": 4}})
+    assert job.to_value()["rollout_engine"] == "sglang"
+    translation = Translation(target="openrlhf", exact=False)
+    export_files(colocate_plan(job), job, "openrlhf", translation=translation)
+    assert any(n.startswith("job.rollout_engine") for n in translation.notes)

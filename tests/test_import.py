@@ -137,7 +137,7 @@ def test_a_verl_megatron_ppo_script_with_a_reward_model(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("line", "key"), [
     ("actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.enforce_eager"),
-    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.rollout.name=trtllm", "actor_rollout_ref.rollout.name"),
     ("actor_rollout_ref.model.lora_rank=64", "actor_rollout_ref.model.lora_rank"),
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",
      "actor_rollout_ref.actor.fsdp_config.fsdp_size"),
@@ -151,6 +151,19 @@ def test_an_unpriced_verl_setting_is_refused_by_name(tmp_path: Path, line: str,
     with pytest.raises(SpecError) as info:
         import_verl(launch, ImportContext(device="h100-80gb"))
     assert info.value.key == key and "\n" not in str(info.value)
+
+
+def test_a_verl_script_that_rolls_out_with_sglang(tmp_path: Path) -> None:
+    text = GRPO_SCRIPT.replace("    trainer.n_gpus_per_node=8", "    actor_rollout_ref.rollout."
+                               "name=sglang \\\n    trainer.n_gpus_per_node=8")
+    launch = read_launch(write(tmp_path / "run.sh", text), VERL_MODULES)
+    job, plan = import_verl(launch, ImportContext(device="h100-80gb"))
+    assert job.rollout_engine == "sglang" and job.rollout.weight_backup_on_host_link
+    assert plan.roles["actor"].generation.pp == 1
+    vllm_job, _ = import_verl(read_launch(write(tmp_path / "v.sh", GRPO_SCRIPT),
+                                                  VERL_MODULES),
+                                      ImportContext(device="h100-80gb"))
+    assert vllm_job.rollout_engine is None
 
 
 def test_an_openrlhf_launch_with_legacy_flags(tmp_path: Path) -> None:

@@ -201,7 +201,11 @@ def _context_parallel_padding(par: ParallelConfig, job: JobSpec,
 def _generation(plan: Plan, job: JobSpec, gen: GenerationConfig,
                 translation: Translation) -> list[str]:
     vllm = "policy.generation.vllm_cfg"
-    rollout = job.framework_profile.rollout
+    rollout = job.rollout
+    if job.rollout_engine not in (None, "vllm"):
+        translation.differ(f"the export writes NeMo-RL's vLLM generation backend; the job's "
+                           f"engine is {job.rollout_engine}", key="job.rollout_engine",
+                           fix="drop rollout_engine", written="vLLM")
     out = [f"{vllm}.tensor_parallel_size={gen.tp}", f"{vllm}.pipeline_parallel_size={gen.pp}",
            f"{vllm}.expert_parallel_size={gen.ep}",
            f"{vllm}.gpu_memory_utilization={gen.memory_utilization:g}",

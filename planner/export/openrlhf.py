@@ -229,8 +229,11 @@ def _priced_settings(plan: Plan, job: JobSpec, translation: Translation) -> list
     actor = plan.roles["actor"]
     gen = actor.generation
     assert gen is not None
-    profile = job.framework_profile
-    if not profile.rollout.cuda_graphs:
+    if job.rollout_engine not in (None, "vllm"):
+        translation.differ(f"OpenRLHF 0.11 generates with vLLM; the job's engine is "
+                           f"{job.rollout_engine}", key="job.rollout_engine",
+                           fix="drop rollout_engine", written="vLLM")
+    if not job.rollout.cuda_graphs:
         out.append("--vllm.enforce_eager")
     default_seqs = load_framework("openrlhf").rollout.max_num_seqs
     if gen.max_num_seqs != default_seqs:

@@ -370,14 +370,23 @@ def _kl(plan: Plan, job: JobSpec) -> list[str]:
 
 
 def _rollout(plan: Plan, job: JobSpec, gen: GenerationConfig) -> list[str]:
-    """The vLLM engine as priced: its layout and limits, CUDA graphs, sleeping between
-    iterations, the old-log-prob recompute and dynamic sampling's filter."""
+    """The rollout engine as priced (vLLM or SGLang): its layout and limits, CUDA graphs,
+    sleeping between iterations, the old-log-prob recompute and dynamic sampling's filter."""
     work = job.workload
     profile = job.framework_profile
-    rollout = profile.rollout
+    rollout = job.rollout
+    engine = job.rollout_engine or profile.rollout_engine
+    engines = load_framework("verl").rollout_engine_names
+    if engine not in engines:
+        raise SpecError(f"verl 0.9 rolls out with {' or '.join(engines)}; the job's engine is "
+                        f"{engine}", key="job.rollout_engine")
+    if not load_framework("verl").rollout_for(engine).pipeline_parallel and gen.pp > 1:
+        raise SpecError(f"verl starts {engine} with no pipeline-parallel size; the plan "
+                        f"generates with pp={gen.pp}: set generation pp 1",
+                        key="roles.actor.generation.pp")
     recompute_old = profile.passes.old_log_prob_in(plan.mode)
     out = [
-        "actor_rollout_ref.rollout.name=vllm",
+        f"actor_rollout_ref.rollout.name={engine}",
         f"actor_rollout_ref.rollout.n={work.samples_per_prompt}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={gen.tp}",
         f"actor_rollout_ref.rollout.pipeline_model_parallel_size={gen.pp}",

@@ -106,8 +106,9 @@ UNPRICED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "an eager vLLM engine is not what the verl profile prices (CUDA graphs)"),
     ("actor_rollout_ref.rollout.multi_turn.enable", _true, "multi-turn tool rollouts are not "
      "priced"),
-    ("actor_rollout_ref.rollout.name", lambda v: clean(str(v)) not in ("vllm",),
-     "only the vLLM rollout engine is priced; set actor_rollout_ref.rollout.name=vllm"),
+    ("actor_rollout_ref.rollout.name", lambda v: clean(str(v)) not in ("vllm", "sglang"),
+     "the vllm and sglang rollout engines are priced; set actor_rollout_ref.rollout.name to "
+     "one of them"),
 )
 """Settings that change the priced work in ways the planner does not model: (key, whether the
 value is one of them, why)."""
@@ -288,7 +289,8 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         framework=framework, kl=kl,
         mode=mode, max_staleness=staleness if mode == "async" else None,  # type: ignore[arg-type]
         partial_rollout=mode == "async" and s.bool("async_training.partial_rollout"),
-        reward_function=context.job.reward_function if context.job else None)
+        reward_function=context.job.reward_function if context.job else None,
+        rollout_engine=None if _engine(s) == "vllm" else _engine(s))
     layout = _layout(s, job, roles, trainer_gpus, reward_gpus, rollout_gpus, mode, staleness)
     plan = build_plan(job, layout)
     plan.validate(job)
@@ -334,7 +336,7 @@ def _layout(s: VerlSettings, job: JobSpec, roles: list[str], trainer_gpus: int,
                               "actor_rollout_ref.model", job)
     gen_gpus = rollout_gpus or trainer_gpus
     plans["actor"] = replace(plans["actor"], generation=_generation(
-        s, gen_gpus, colocated=not rollout_gpus))
+        s, gen_gpus, colocated=not rollout_gpus, pipelines=job.rollout.pipeline_parallel))
     if "critic" in roles:
         plans["critic"] = _trained("critic", s, trainer_gpus, "critic", "critic.model", job)
     if "ref" in roles:
@@ -486,13 +488,22 @@ def _frozen(s: VerlSettings, gpus: int, job: JobSpec) -> RolePlan:
                     training_backend="megatron")
 
 
-def _generation(s: VerlSettings, gpus: int, *, colocated: bool) -> GenerationConfig:
+def _engine(s: VerlSettings) -> str:
+    """The rollout engine (``actor_rollout_ref.rollout.name``; vllm when the launch says
+    none)."""
+    return s.text("actor_rollout_ref.rollout.name") or "vllm"
+
+
+def _generation(s: VerlSettings, gpus: int, *, colocated: bool,
+                pipelines: bool = True) -> GenerationConfig:
     """The rollout engine's layout and settings; a colocated engine also says whether it frees
     its KV cache between generations (free_cache_engine; an engine on GPUs of its own never
-    sleeps in the price)."""
+    sleeps in the price). An engine verl starts with no pipeline size (``pipelines`` False:
+    SGLang) runs pp 1 whatever pipeline_model_parallel_size says."""
     prefix = "actor_rollout_ref.rollout"
     return GenerationConfig(tp=s.int(f"{prefix}.tensor_model_parallel_size"),
-                            pp=s.int(f"{prefix}.pipeline_model_parallel_size"),
+                            pp=s.int(f"{prefix}.pipeline_model_parallel_size")
+                            if pipelines else 1,
                             ep=s.int(f"{prefix}.expert_parallel_size"),
                             max_num_seqs=s.int(f"{prefix}.max_num_seqs"),
                             memory_utilization=s.float(f"{prefix}.gpu_memory_utilization"),

@@ -8,7 +8,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from profiles.datafile import SpecError, did_you_mean, from_mapping, read_mapping, require
-from profiles.framework import DEFAULT_FRAMEWORK, FixedCosts, FrameworkProfile, load_framework
+from profiles.framework import (
+    DEFAULT_FRAMEWORK,
+    FixedCosts,
+    FrameworkProfile,
+    RolloutSettings,
+    load_framework,
+)
 from simulator.specs.asynchrony import JobMode, Mode, allowed_modes, check_mode
 from simulator.specs.cluster import ClusterSpec, Pool
 from simulator.specs.data import DataSpec, parse_data
@@ -178,6 +184,9 @@ class JobSpec:
     """The RLHF framework that runs the job: a profile name (``profiles/frameworks/``: verl,
     nemo-rl, hybridflow) or a profile YAML. It decides which passes run, overlap defaults,
     the rollout engine's behaviour, offload and fixed costs."""
+    rollout_engine: str | None = None
+    """The framework's rollout engine the job generates with: one its profile lists (verl:
+    vllm or sglang); left out, the framework's default (vllm)."""
     reward_function: RewardFunction | None = None
     """The user's reward function, for ``reward: rule`` (None: the task's own rule)."""
     data: DataSpec | None = None
@@ -230,6 +239,7 @@ class JobSpec:
             if exc.source and exc.key:  # a problem inside the framework's own file
                 raise
             raise SpecError(exc.problem, key="framework", source=exc.source) from None
+        self.framework_profile.rollout_for(self.rollout_engine)
         for i, group in enumerate(self.cluster.node_groups):
             key = "cluster.device" if self.cluster.is_homogeneous else \
                 f"cluster.node_groups[{i}].device"
@@ -307,6 +317,11 @@ class JobSpec:
     def framework_profile(self) -> FrameworkProfile:
         return _framework_with_fixed_costs(self.framework, self.framework_fixed_costs)
 
+    @property
+    def rollout(self) -> RolloutSettings:
+        """The settings of the job's rollout engine (``rollout_engine``) in its framework."""
+        return self.framework_profile.rollout_for(self.rollout_engine)
+
     def overlap_for(self, role: str) -> tuple[bool, bool]:
         """(overlap_grad_reduce, overlap_param_gather) for ``role``: pinned, else on when the
         framework lets users turn it on (overlap is never slower), else its default."""
@@ -324,7 +339,7 @@ class JobSpec:
         """(max_num_seqs, gpu_memory_utilization) of the actor's engine: pinned, else the
         framework's defaults."""
         pin = self.parallel.get("actor")
-        rollout = self.framework_profile.rollout
+        rollout = self.rollout
         seqs = pin.max_num_seqs if pin and pin.max_num_seqs else rollout.max_num_seqs
         utilization = pin.gpu_memory_utilization if pin and pin.gpu_memory_utilization \
             else rollout.gpu_memory_utilization
@@ -440,6 +455,8 @@ class JobSpec:
             "parallel": {r: p.set_fields() for r, p in self.parallel.items()},
             "backends": {r: to_mapping(b) for r, b in self.backends.items()},
             "framework": self.framework,
+            **({"rollout_engine": self.rollout_engine} if self.rollout_engine is not None
+               else {}),
             **({"reward_function": to_mapping(self.reward_function)}
                if self.reward_function is not None else {}),
             **({"data": to_mapping(self.data)} if self.data is not None else {}),
@@ -537,8 +554,8 @@ def _with_old_log_prob(base: Dataflow, framework: str, mode: str) -> Dataflow:
 
 
 JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "backends",
-             "framework", "reward_function", "data", "mode", "max_staleness", "partial_rollout",
-             "kl")
+             "framework", "rollout_engine", "reward_function", "data", "mode", "max_staleness",
+             "partial_rollout", "kl")
 """The top-level keys a job file may have."""
 
 
@@ -629,7 +646,12 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
         kl = data.get("kl")
         if kl is not None and kl not in KL_TERMS:
             raise SpecError(f"must be one of {', '.join(KL_TERMS)}; got {kl!r}", key="kl")
+        rollout_engine = data.get("rollout_engine")
+        if rollout_engine is not None and not isinstance(rollout_engine, str):
+            raise SpecError(f"expected a rollout engine's name (vllm, sglang), got "
+                            f"{rollout_engine!r}", key="rollout_engine")
         return JobSpec(algorithm=algorithm, models=models, kl=kl,
+                       rollout_engine=rollout_engine,
                        cluster=ClusterSpec.from_value(data["cluster"]), workload=workload,
                        parallel=parallel, backends=backends, name=name, framework=framework,
                        reward_function=reward_function, data=data_spec,
