@@ -344,7 +344,7 @@ def test_backends_are_chosen_per_role_and_unavailable_ones_rejected(
                         "ref": RolePlan(parallel=ParallelConfig(tp=1, dp=2),
                                         training_backend="megatron")})
     with pytest.raises(SpecError, match=r"sets\[0\]: Megatron roles of one colocated set "
-                                        r"share one \(tp, pp, vpp\) layout"):
+                                        r"share one \(tp, pp, vpp, cp\) layout"):
         validate_for_execution(job_from_mapping({**two_gpus, "backends": {"actor": {
             "training": "megatron"}}}), mixed, remote)
     validate_for_execution(job_from_mapping({**base, "backends": {"actor": {
