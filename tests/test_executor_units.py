@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -457,3 +458,59 @@ def test_run_options_from_a_hand_edited_meta_json_name_the_key():
         ExecutionOptions.from_saved({**saved, "save_hf_every": "often"})
     with pytest.raises(SpecError, match=r"options\.checkpoint_evry.*unknown key"):
         ExecutionOptions.from_saved({**saved, "checkpoint_evry": 2})
+
+
+def test_the_vllm_engine_on_a_gpu_starts_dummy_sleeps_at_level_2_and_wakes_in_order(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # vLLM stood in by a recorder (the real engine runs in tests/engines/test_vllm.py on the
+    # CPU, where it cannot sleep): on a GPU the engine starts from config.json alone with
+    # dummy weights, removes that directory, captures CUDA graphs, turns the custom
+    # all-reduce off under tp > 1, sleeps at level 2 and wakes weights -> reload -> KV cache.
+    import sys
+    import types
+
+    import torch
+
+    from executor.backends.vllm import VLLMEngine
+
+    calls: list = []
+
+    class FakeLLM:
+        def __init__(self, model: str, **settings: object) -> None:
+            calls.append(("start", sorted(p.name for p in Path(model).iterdir()), settings))
+            self.model = model
+
+        def collective_rpc(self, method: str, kwargs: dict) -> None:
+            calls.append((method, [name for name, _ in kwargs["weights_iterator"]]))
+
+        def reset_prefix_cache(self) -> None:
+            calls.append(("reset_prefix_cache",))
+
+        def sleep(self, level: int) -> None:
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags: list[str]) -> None:
+            calls.append(("wake_up", tags))
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    engine = VLLMEngine(MODEL_PRESETS["tiny-2l"], tp_size=2)
+    weights = {"model.embed_tokens.weight": torch.zeros(2, 2)}
+    engine.load(weights)
+    (_, files, settings), reload, reset = calls
+    assert reset == ("reset_prefix_cache",)
+    assert files == ["config.json"]  # no weights written
+    assert settings["load_format"] == "dummy" and not settings["enforce_eager"]
+    assert settings["disable_custom_all_reduce"] and settings["enable_sleep_mode"]
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0"
+    assert not Path(engine.llm.model).exists()  # the directory went with the start
+    assert reload == ("reload_weights", ["model.embed_tokens.weight"])
+    calls.clear()
+    engine.unload()
+    engine.load(weights)
+    assert [c[0] for c in calls] == ["sleep", "empty_cache", "wake_up", "reload_weights",
+                                     "reset_prefix_cache", "wake_up"]
+    assert calls[0] == ("sleep", 2)
+    assert calls[2] == ("wake_up", ["weights"]) and calls[-1] == ("wake_up", ["kv_cache"])

@@ -1,11 +1,22 @@
 """vLLM generation backend: the actor generates with vLLM's public API (``LLM``,
 ``SamplingParams`` with log-probs) inside its worker processes.
 
-The engine is built from the ModelSpec (a ``config.json`` and the first weights written to a
-temporary directory) and receives the trainer's weights after every update through vLLM's
-supported path: the worker's ``reload_weights`` with an iterator of (name, tensor),
-called with ``collective_rpc``, then a prefix-cache reset. Every rank gets whole tensors and
-vLLM's loaders cut its tensor-parallel shard.
+The engine starts from the ModelSpec's ``config.json`` alone with dummy weights
+(``load_format="dummy"``; the directory is removed once the engine is up, so no rank writes the
+model to disk) and receives the trainer's weights, the first ones too, through vLLM's supported
+path: the worker's ``reload_weights`` with an iterator of (name, tensor), called with
+``collective_rpc``, then a prefix-cache reset. Every rank gets whole tensors and vLLM's loaders
+cut its tensor-parallel shard.
+
+On GPUs the engine sleeps at level 2 between generations (weights and KV cache dropped, nothing
+copied to the host: the next update overwrites the weights anyway) and wakes in verl's order:
+the weights' memory, the reload, then the KV cache, with the allocator's cache emptied first so
+that what training freed is there for them (verl 0.9.1 verl/workers/rollout/vllm_rollout/
+vllm_async_server.py:882-891). It captures CUDA graphs (no ``enforce_eager``), and with tensor
+parallelism inside one-GPU workers it turns vLLM's custom all-reduce off, as verl does in that
+setup (verl v0.5.0 verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py:173), and NCCL's
+cuMem allocations too unless the environment says otherwise (verl 0.9.1
+verl/plugin/platform/platform_cuda.py:152).
 
 Inside a worker group the engine runs SPMD on the group's existing process group
 (``distributed_executor_backend="external_launcher"``): generation tensor-parallel groups are
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -90,7 +102,8 @@ class VLLMEngine:
         self.settings: dict = {
             "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
             "tensor_parallel_size": tp_size, "max_model_len": max_model_len or spec.max_seq_len,
-            "enforce_eager": True,
+            # CPUs have no CUDA graphs; GPUs capture them (one launch per decode step).
+            "enforce_eager": not torch.cuda.is_available(), "load_format": "dummy",
         }
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # SPMD on the worker group's process group; vLLM reads the rank from the
@@ -103,6 +116,9 @@ class VLLMEngine:
         if torch.cuda.is_available():
             self.settings["gpu_memory_utilization"] = gpu_memory_utilization
             self.settings["enable_sleep_mode"] = True
+            if tp_size > 1:
+                self.settings["disable_custom_all_reduce"] = True
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         else:
             self.settings["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         if kv_cache_budget_bytes is not None:
@@ -119,8 +135,9 @@ class VLLMEngine:
         self.loaded_bytes = 0
         self.asleep = False
 
-    def _start(self, items: list[tuple[str, torch.Tensor]]) -> None:
-        from safetensors.torch import save_file
+    def _start(self) -> None:
+        """Start the engine from the model's config.json with dummy weights (the first load
+        replaces them); the directory goes once the engine has read it."""
         from vllm import LLM
 
         if not torch.cuda.is_available():
@@ -132,10 +149,16 @@ class VLLMEngine:
             _remove_stale_cpu_segments()
 
         directory = Path(tempfile.mkdtemp(prefix="hybridflow-vllm-"))
-        (directory / "config.json").write_text(json.dumps(hf_config(self.spec, self.dtype)))
-        save_file({name: t.detach().to("cpu", self.dtype).contiguous() for name, t in items},
-                  str(directory / "model.safetensors"))
-        self.llm = LLM(model=str(directory), **self.settings)
+        try:
+            (directory / "config.json").write_text(json.dumps(hf_config(self.spec,
+                                                                        self.dtype)))
+            self.llm = LLM(model=str(directory), **self.settings)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _reload(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+        self.llm.reset_prefix_cache()
 
     # ----- weights -----
 
@@ -144,21 +167,23 @@ class VLLMEngine:
         items = [(name, tensor) for name, tensor in weights.items()
                  if not (self.spec.tied_embeddings and name == "lm_head.weight")]
         if self.llm is None:
-            self._start(items)
-        else:
-            if self.asleep:
-                self.llm.wake_up()
-                self.asleep = False
-            self.llm.collective_rpc("reload_weights",
-                                    kwargs={"weights_iterator": iter(items)})
-            self.llm.reset_prefix_cache()
+            self._start()
+        if self.asleep:
+            # Level 2 dropped the weights: map their memory, overwrite it, then the KV cache.
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+        self._reload(items)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.loaded_bytes = sum(t.numel() * t.element_size() for _, t in items)
 
     def unload(self) -> None:
-        """Free the engine's memory between generations where the platform can (GPUs:
-        sleep level 1 keeps the weights on the host); on CPUs it stays resident."""
+        """Free the engine's memory between generations where the platform can (GPUs: sleep
+        level 2, weights and KV cache dropped; the next load brings the weights); on CPUs it
+        stays resident."""
         if self.llm is not None and self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=2)
             self.asleep = True
 
     def weight_bytes(self) -> int:
