@@ -13,12 +13,15 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from profiles.datafile import SpecError, json_text, write_text_atomic
 from simulator.specs.workload import MAX_SEQUENCE_TOKENS, MAX_SEQUENCES_PER_ITERATION
+
+if TYPE_CHECKING:
+    from simulator.specs.job import JobSpec
 
 EXIT_DOES_NOT_FIT = 1
 EXIT_BAD_INPUT = 2
@@ -781,6 +784,29 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 # execute
 
 
+TINY_MODEL_PARAMS = 100e6
+"""Below this many parameters a model is a toy trained from scratch on the built-in task (the
+tiny-* presets have under a million), where a large learning rate is what makes it learn."""
+TOY_LR = 1e-2
+"""The learning rate of such toys (the executor's learning tests)."""
+VERL_ACTOR_LR = 1e-6
+"""verl's actor learning rate (verl 0.9.1 trainer/config/_generated_ppo_trainer.yaml:12,
+actor_rollout_ref.actor.optim.lr), with no warm-up (lr_warmup_steps_ratio 0.0, :13)."""
+VERL_CRITIC_LR = 1e-5
+"""verl's critic learning rate (the same file :539, critic.optim.lr)."""
+
+
+def learning_rates(job: JobSpec, actor_lr: float | None,
+                   critic_lr: float | None) -> tuple[float, float]:
+    """(actor, critic) learning rates: the ones given, else a toy's for a job whose trained
+    models are all under TINY_MODEL_PARAMS, else verl's defaults for pretrained models."""
+    trained = [job.model(r) for r in job.dataflow.trained_roles if r in job.models]
+    toy = all(m.param_count < TINY_MODEL_PARAMS for m in trained)
+    actor = actor_lr if actor_lr is not None else (TOY_LR if toy else VERL_ACTOR_LR)
+    critic = critic_lr if critic_lr is not None else (actor if toy else VERL_CRITIC_LR)
+    return actor, critic
+
+
 @cli.command()
 @click.argument("plan_path", metavar="[PLAN.json]", required=False,
                 type=click.Path(dir_okay=False))
@@ -796,8 +822,13 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
 @click.option("--transition", type=click.Choice(["micro_dp", "naive"]), default="micro_dp",
               show_default=True,
               help="Actor train->generate: 3D-HybridEngine micro-DP gather, or gather all.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-2,
-              show_default=True, help="Learning rate of the actor and the critic.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Learning rate of the actor (default: 1e-2 for models under 100M "
+                   "parameters, which learn the built-in task from scratch; else verl's "
+                   "1e-6).")
+@click.option("--critic-lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Learning rate of the critic (default: --lr for models under 100M "
+                   "parameters; else verl's 1e-5).")
 @click.option("--reward-warmup", type=click.IntRange(min=0), default=20, show_default=True,
               help="Steps fitting the reward / cost models to the task's rules before RL.")
 @click.option("--rl", "rl_settings", multiple=True, metavar="KEY=VALUE",
@@ -843,7 +874,8 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
                    "checkpoints) and exit without starting Ray.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run summary as JSON.")
 def execute(plan_path: str | None, config: str | None, steps: int | None, out: str | None,
-            address: str | None, seed: int, transition: str, lr: float, reward_warmup: int,
+            address: str | None, seed: int, transition: str, lr: float | None,
+            critic_lr: float | None, reward_warmup: int,
             rl_settings: tuple[str, ...], worker_setup: str | None, worker_logs: bool | None,
             checkpoints: tuple[str, ...], validate_every: int, save_hf: str | None,
             save_hf_every: int, save_hf_critic: str | None, log_to: str | None,
@@ -881,9 +913,11 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     run_dir = Path(out) if out else Path("runs") / (
         _time.strftime("%Y%m%d-%H%M%S") + "-" + plan_file.placement.replace("|", "_")
         .replace(",", "+"))
+    actor_lr, critic_lr = learning_rates(job, lr, critic_lr)
     options = ExecutionOptions(steps=steps or 1, seed=seed, out=run_dir, address=address,
                                transition=transition,  # type: ignore[arg-type]
-                               actor_lr=lr, critic_lr=lr, reward_warmup_steps=reward_warmup,
+                               actor_lr=actor_lr, critic_lr=critic_lr,
+                               reward_warmup_steps=reward_warmup,
                                rl=_rl_config(rl_settings), worker_setup=worker_setup,
                                worker_logs=worker_logs,
                                checkpoints=_role_paths(checkpoints, "--checkpoint"),

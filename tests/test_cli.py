@@ -308,3 +308,20 @@ def test_plan_json_on_a_mixed_cluster_ranked_by_cost(tmp_path: Path) -> None:
     assert plan["predicted"]["paying_for"] == "used"
     report = (tmp_path / "report.md").read_text()
     assert "| node_group | device |" in report and "Cost: **$" in report
+
+
+def test_learning_rates_default_to_a_toys_or_to_verls() -> None:
+    # Tiny models learn the built-in task from scratch at 1e-2; pretrained ones get verl's
+    # 1e-6 (actor) and 1e-5 (critic) unless given.
+    from dataclasses import replace
+
+    from planner.cli import learning_rates
+    from simulator.specs.job import default_job
+    from simulator.specs.presets import MODEL_PRESETS
+
+    real = default_job()  # PPO, four Llama-2-7B
+    tiny = replace(real, models={r: MODEL_PRESETS["tiny-2l"] for r in real.models})
+    assert learning_rates(tiny, None, None) == (1e-2, 1e-2)
+    assert learning_rates(real, None, None) == (1e-6, 1e-5)
+    assert learning_rates(real, 3e-6, None) == (3e-6, 1e-5)
+    assert learning_rates(tiny, 0.1, 0.2) == (0.1, 0.2)
