@@ -943,8 +943,10 @@ def _check_run(job: Any, plan_file: Any, options: Any, source: str, as_json: boo
         summary = check_plan(job, plan_file, options)
     except SpecError as exc:
         raise exc.within(source=_error_source(exc, source, job_source)) from None
+    # A run on several nodes writes checkpoints and exports by path from every node.
+    shared = options.address is not None and summary["gpus"] > job.cluster.gpus_per_node
     if as_json:
-        _emit_json({"runs": True, **summary})
+        _emit_json({"runs": True, **summary, "needs_shared_filesystem": shared})
         return
     roles = "; ".join(f"{role} {r['training']} training / {r['generation']} generation"
                       if role == "actor" else f"{role} {r['training']}"
@@ -952,6 +954,10 @@ def _check_run(job: Any, plan_file: Any, options: Any, source: str, as_json: boo
     click.echo(f"the executor runs this plan: {summary['algorithm'].upper()} "
                f"{summary['mode']} on {summary['gpus']} GPUs ({summary['placement']}); "
                f"{roles}; prompts: {summary['prompts']} (nothing was started)")
+    if shared:
+        click.echo("note: the run spans several nodes: --out (its checkpoints) and --save-hf "
+                   "must be paths every node sees (a shared filesystem), or no node holds a "
+                   "whole checkpoint or export")
 
 
 def _error_source(exc: SpecError, plan_source: str, job_source: str | None) -> str | None:

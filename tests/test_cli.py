@@ -325,3 +325,17 @@ def test_learning_rates_default_to_a_toys_or_to_verls() -> None:
     assert learning_rates(real, None, None) == (1e-6, 1e-5)
     assert learning_rates(real, 3e-6, None) == (3e-6, 1e-5)
     assert learning_rates(tiny, 0.1, 0.2) == (0.1, 0.2)
+
+
+def test_a_dry_run_on_several_nodes_says_the_run_needs_a_shared_filesystem(
+        tmp_path: Path) -> None:
+    job = write(tmp_path / "job.yaml", TINY_PPO.replace("nodes: 1, gpus_per_node: 8",
+                                                        "nodes: 2, gpus_per_node: 2"))
+    run_json("plan", "--config", str(job), "--out", str(tmp_path / "rep"), "--backend", "fsdp")
+    plan = str(tmp_path / "rep" / "plan.json")
+    many = run("execute", plan, "--dry-run", "--address", "10.0.0.1:6379", check=True)
+    assert "shared filesystem" in many.stdout
+    assert run_json("execute", plan, "--dry-run", "--address",
+                    "10.0.0.1:6379")["needs_shared_filesystem"]
+    local = run_json("execute", plan, "--dry-run")
+    assert not local["needs_shared_filesystem"]
