@@ -84,7 +84,7 @@ def _device_option(f: Any) -> Any:
 
 
 def _load_model(name: str) -> Any:
-    from simulator.specs.model import load_model
+    from simulator.specs.presets import load_model
 
     return load_model(name, key="--model")
 

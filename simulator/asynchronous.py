@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import simpy
 
-from simulator.engine import SimulationResult, TimelineEvent, _lane, _result
 from simulator.plan import ROLLOUT_LABEL, Plan
 from simulator.predict import CONTROLLER_LOCATION, PlanEstimate
 from simulator.schedule import Step, dataflow_steps, makespan
 from simulator.specs.job import JobSpec
+from simulator.timeline import SimulationResult, TimelineEvent, lane_of, simulation_result
 
 SYNC_NODE = "actor.weight_sync"
 """The weight sync's name on timelines and in measurements."""
@@ -118,7 +118,7 @@ def simulate_async(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
     staleness = plan.max_staleness
     iterations = iterations or iterations_for(staleness)
     if not estimate.feasible:
-        return _result("des", job, plan, estimate, [], iterations)
+        return simulation_result("des", job, plan, estimate, [], iterations)
     env = simpy.Environment()
     dataflow = job.dataflow
     rollout = len(plan.sets)
@@ -146,7 +146,7 @@ def simulate_async(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
         gpus = 0 if location == CONTROLLER_LOCATION else plan.located_sets()[location].gpus
         events.append(TimelineEvent(
             iteration=iteration, location=location,
-            lane="network" if kind == "transfer" else _lane(plan, location, job), role=role,
+            lane="network" if kind == "transfer" else lane_of(plan, location, job), role=role,
             operation=operation, node=node, kind=kind,  # type: ignore[arg-type]
             start=start, end=end, gpus=gpus))
 
@@ -296,7 +296,7 @@ def simulate_async(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
     iteration_end = [max(ends[(i, n)] for n in trainer) for i in range(iterations)]
     warm = min(staleness + 1, iterations - 2)
     steady = (iteration_end[-1] - iteration_end[warm]) / (iterations - 1 - warm)
-    result = _result("des", job, plan, estimate, events, iterations)
+    result = simulation_result("des", job, plan, estimate, events, iterations)
     # Queue: batches fully generated that the trainer has not started on yet.
     changes = sorted([(ends[(i, gens[-1])], 1) for i in range(iterations)]
                      + [(taken[i], -1) for i in taken])

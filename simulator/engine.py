@@ -14,76 +14,23 @@ summed; no transition, no transfers, no overlap across stages) is available as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
 import simpy
 
 from profiles.datafile import SpecError
+from simulator.asynchronous import simulate_async
 from simulator.plan import Plan, job_as_planned
 from simulator.predict import CONTROLLER_LOCATION, PlanEstimate
 from simulator.schedule import dataflow_steps, makespan
 from simulator.specs.dataflow import Dataflow, Node
 from simulator.specs.job import JobSpec
-
-Mode = Literal["des", "paper"]
-EventKind = Literal["compute", "transition", "transfer", "sync"]
-
-
-@dataclass(frozen=True, slots=True)
-class TimelineEvent:
-    """One interval on the timeline."""
-
-    iteration: int
-    location: int
-    """Colocated set index, or -1 for the controller."""
-    lane: str
-    """Display row: the set's roles ('actor,ref'), 'controller', or 'network'."""
-    role: str
-    operation: str
-    node: str
-    kind: EventKind
-    start: float
-    """Seconds from the start of the simulation."""
-    end: float
-    gpus: int
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class SimulationResult:
-    """The simulated timeline and what is read from it."""
-
-    mode: Mode
-    iterations: int
-    timeline: tuple[TimelineEvent, ...]
-    iteration_seconds: float
-    """Mean seconds per iteration (makespan / iterations)."""
-    throughput_tokens_per_s: float
-    """Prompt + response tokens per iteration / iteration seconds (HybridFlow's metric)."""
-    stage_seconds: dict[str, float]
-    """Seconds of each node (one iteration), plus 'actor.transition' when there is one."""
-    idle_fraction: dict[str, float]
-    """Per set label: fraction of the makespan its GPUs are idle."""
-    peak_memory_bytes_per_gpu: float
-    feasible: bool
-    reasons: tuple[str, ...] = ()
-    makespan_seconds: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-def _lane(plan: Plan, location: int, job: JobSpec | None = None) -> str:
-    """The timeline lane of a location: the set's roles, or 'rollout' for an asynchronous
-    plan's rollout set (and its device on a mixed cluster)."""
-    if location == CONTROLLER_LOCATION:
-        return "controller"
-    s = plan.located_sets()[location]
-    if job is None or job.cluster.is_homogeneous:
-        return s.label()
-    return f"{s.label()} ({job.cluster.device_of(s.node_group)})"
+from simulator.timeline import (
+    EventKind,
+    Mode,
+    SimulationResult,
+    TimelineEvent,
+    lane_of,
+    simulation_result,
+)
 
 
 def _gpus(plan: Plan, location: int) -> int:
@@ -100,7 +47,7 @@ def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
     its location and the weights it needs (a critic update on other GPUs may then run beside
     the next generation, an asynchronous mode)."""
     if not estimate.feasible:
-        return _result("des", job, plan, estimate, [], iterations)
+        return simulation_result("des", job, plan, estimate, [], iterations)
     dataflow: Dataflow = job.dataflow
     env = simpy.Environment()
     done: list[dict[str, simpy.Event]] = [
@@ -121,7 +68,7 @@ def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
 
     def record(iteration: int, location: int, role: str, operation: str, node: str,
                kind: EventKind, start: float, end: float) -> None:
-        lane = "network" if kind == "transfer" else _lane(plan, location, job)
+        lane = "network" if kind == "transfer" else lane_of(plan, location, job)
         events.append(TimelineEvent(iteration=iteration, location=location, lane=lane,
                                     role=role, operation=operation, node=node, kind=kind,
                                     start=start, end=end, gpus=_gpus(plan, location)))
@@ -171,7 +118,7 @@ def simulate_des(job: JobSpec, plan: Plan, estimate: PlanEstimate, *,
         for node in _creation_order(dataflow.nodes):
             env.process(run(iteration, node.name))
     env.run()
-    return _result("des", job, plan, estimate, events, iterations)
+    return simulation_result("des", job, plan, estimate, events, iterations)
 
 
 def _creation_order(nodes: tuple[Node, ...]) -> list[Node]:
@@ -201,7 +148,7 @@ def simulate_paper(job: JobSpec, plan: Plan, estimate: PlanEstimate) -> Simulati
     left out, as in the paper."""
     events: list[TimelineEvent] = []
     if not estimate.feasible:
-        return _result("paper", job, plan, estimate, events, 1)
+        return simulation_result("paper", job, plan, estimate, events, 1)
     now = 0.0
     for stage in ("generation", "preparation", "training"):
         longest = 0.0
@@ -212,35 +159,14 @@ def simulate_paper(job: JobSpec, plan: Plan, estimate: PlanEstimate) -> Simulati
                 if node.stage != stage or est.location != location:
                     continue
                 events.append(TimelineEvent(
-                    iteration=0, location=location, lane=_lane(plan, location, job), role=node.role,
+                    iteration=0, location=location, lane=lane_of(plan, location, job),
+                    role=node.role,
                     operation=node.operation, node=node.name, kind="compute", start=cursor,
                     end=cursor + est.seconds, gpus=_gpus(plan, location)))
                 cursor += est.seconds
             longest = max(longest, cursor - now)
         now += longest
-    return _result("paper", job, plan, estimate, events, 1)
-
-
-def _result(mode: Mode, job: JobSpec, plan: Plan, estimate: PlanEstimate,
-            events: list[TimelineEvent], iterations: int) -> SimulationResult:
-    events.sort(key=lambda e: (e.start, e.location, e.node))
-    makespan = max((e.end for e in events), default=0.0)
-    iteration_seconds = makespan / iterations if iterations else 0.0
-    stage_seconds = {name: n.seconds for name, n in estimate.nodes.items()}
-    if mode == "des" and estimate.transition is not None:
-        stage_seconds["actor.transition"] = estimate.transition.seconds
-    idle: dict[str, float] = {}
-    for i, s in enumerate(plan.sets):
-        busy = sum(e.seconds for e in events if e.location == i and e.kind != "transfer")
-        idle[s.label()] = 1.0 - busy / makespan if makespan > 0 else 0.0
-    throughput = (estimate.tokens_per_iteration / iteration_seconds
-                  if iteration_seconds > 0 and estimate.feasible else 0.0)
-    return SimulationResult(
-        mode=mode, iterations=iterations, timeline=tuple(events),
-        iteration_seconds=iteration_seconds if estimate.feasible else float("inf"),
-        throughput_tokens_per_s=throughput, stage_seconds=stage_seconds, idle_fraction=idle,
-        peak_memory_bytes_per_gpu=estimate.peak_memory_bytes_per_gpu,
-        feasible=estimate.feasible, reasons=estimate.reasons, makespan_seconds=makespan)
+    return simulation_result("paper", job, plan, estimate, events, 1)
 
 
 def simulate(job: JobSpec, plan: Plan, *, mode: Mode = "des", iterations: int = 1,
@@ -267,8 +193,6 @@ def simulate_estimated(job: JobSpec, plan: Plan, estimate: PlanEstimate, *, mode
         if mode == "paper":
             raise SpecError("the paper's cost function prices synchronous plans only "
                             f"(this plan runs {plan.mode}); use --cost-model des", key="mode")
-        from simulator.asynchronous import simulate_async
-
         return simulate_async(job, plan, estimate, iterations=iterations if iterations > 1
                               else None)
     if mode == "paper":

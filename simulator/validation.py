@@ -524,7 +524,7 @@ def _bands(group: str, spec: dict, cases_file: Path,
 
 def _case_model(case: dict):
     """The model a case measures (a whole-step case's actor)."""
-    from simulator.specs.model import load_model
+    from simulator.specs.presets import load_model
 
     model = case["job"]["models"]["actor"] if "job" in case else case["model"]
     return load_model(model)

@@ -15,9 +15,9 @@ from profiles.device import load_profile
 from simulator.costs.generation import decode_step_model
 from simulator.costs.transformer import attention_projection_cost, layer_cost, stage_param_count
 from simulator.costs.transition import weight_tensors
-from simulator.specs.model import ModelSpec, from_hf_config, load_model
+from simulator.specs.model import ModelSpec, from_hf_config
 from simulator.specs.parallel import GenerationConfig
-from simulator.specs.presets import MODEL_PRESETS
+from simulator.specs.presets import MODEL_PRESETS, load_model
 
 DEEPSEEK_V3 = MODEL_PRESETS["deepseek-v3"]
 H100 = load_profile("h100-80gb")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from profiles.datafile import SpecError
-from simulator.specs.model import ModelSpec, from_hf_config, load_model
-from simulator.specs.presets import MODEL_PRESETS
+from simulator.specs.model import ModelSpec, from_hf_config
+from simulator.specs.presets import MODEL_PRESETS, load_model
 
 MIB = 1024**2
 

@@ -22,8 +22,8 @@ from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet
 from simulator.specs.cluster import ClusterSpec
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.lengths import LengthDistribution
-from simulator.specs.model import ModelSpec, load_model
-from simulator.specs.presets import MODEL_PRESETS
+from simulator.specs.model import ModelSpec
+from simulator.specs.presets import MODEL_PRESETS, load_model
 
 MODEL_ALIASES = {
     # Qwen2-7B and Qwen2.5-7B (and its Math / Coder / Instruct variants) share one

@@ -18,7 +18,7 @@ distributed/batched_data_dict.py:395-399, generation/vllm/vllm_generation.py:110
 
 from __future__ import annotations
 
-from planner.export import (
+from planner.export.common import (
     Translation,
     notes_comment,
     read_argument_lines,

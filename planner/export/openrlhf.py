@@ -17,7 +17,7 @@ import shlex
 from collections.abc import Callable
 from typing import Any
 
-from planner.export import (
+from planner.export.common import (
     Layout,
     Translation,
     nodes_of,

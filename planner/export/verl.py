@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shlex
 
-from planner.export import (
+from planner.export.common import (
     Layout,
     Translation,
     nodes_of,

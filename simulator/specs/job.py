@@ -26,8 +26,9 @@ from simulator.specs.dataflow import (
     get_dataflow,
 )
 from simulator.specs.lengths import parse_lengths
-from simulator.specs.model import ModelSpec, load_model
+from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import Dispatcher, Recompute, Sharding, check_pipeline_stages
+from simulator.specs.presets import load_model
 from simulator.specs.workload import Workload
 
 RULE = "rule"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from profiles.datafile import SpecError, did_you_mean, from_mapping, read_mapping, require
+from profiles.datafile import SpecError, from_mapping, read_mapping, require
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -545,39 +545,3 @@ def from_hf_config(path: str | Path) -> ModelSpec:
             "experts", "top_k", "expert_ffn_hidden", "shared_experts",
             "shared_expert_ffn_hidden", "first_dense_layers")}
     return from_mapping(ModelSpec, fields, source=source)
-
-
-def load_model(value: str | dict[str, Any], *, base_dir: Path | None = None,
-               key: str = "model") -> ModelSpec:
-    """A ModelSpec from a preset name, a spec YAML path, a ``config.json`` path (or its
-    directory), or an inline mapping of ModelSpec keys."""
-    from simulator.specs.presets import MODEL_PRESETS
-
-    if isinstance(value, dict):
-        # An inline model is named after its key (models.actor -> "actor") unless it says.
-        named = {"name": key.rsplit(".", 1)[-1], **value}
-        return from_mapping(ModelSpec, named, key_prefix=key)
-    if not isinstance(value, str):
-        raise SpecError(f"expected a preset name, a path or a mapping, got {value!r}", key=key)
-    if value in MODEL_PRESETS:
-        return MODEL_PRESETS[value]
-    if value.lower() in MODEL_PRESETS:
-        return MODEL_PRESETS[value.lower()]
-    path = Path(value)
-    if base_dir is not None and not path.is_absolute():
-        path = base_dir / path
-    if path.is_dir() or path.suffix == ".json":
-        if not path.exists():
-            raise SpecError(f"file not found: {path}", key=key)
-        if path.is_dir() and not (path / "config.json").exists():
-            raise SpecError(f"{path} is a directory without config.json (a Hugging Face "
-                            "checkpoint directory has one)", key=key)
-        return from_hf_config(path)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.exists():
-            raise SpecError(f"file not found: {path}", key=key)
-        return from_mapping(ModelSpec, read_mapping(path), source=str(path))
-    raise SpecError(
-        f"unknown model {value!r}{did_you_mean(value, sorted(MODEL_PRESETS))}: give a preset "
-        f"({', '.join(sorted(MODEL_PRESETS))}), "
-        "a spec .yaml, or a Hugging Face config.json", key=key)
