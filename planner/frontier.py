@@ -575,21 +575,28 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
         # A config whose engine keeps its cache is its freeing twin's config with the sleep
         # and wake taken out and the engine's allocation held through the other operations:
         # it is priced from its twin's group (the memory and decode work are shared).
+        # Plans are matched by (layout, backend, generation): RolePlan's fields, as tuples,
+        # so that no RolePlan is built per candidate.
         by_generation: dict[GenerationConfig, list[int]] = {}
-        keeping: dict[RolePlan, int] = {}
-        freeing = {c.plan for c in actor if c.plan.generation is not None
+        keeping: dict[tuple, int] = {}
+        freeing = {(c.plan.parallel, c.plan.training_backend, c.plan.generation)
+                   for c in actor if c.plan.generation is not None
                    and c.plan.generation.free_cache is True}
+        with_cache: dict[GenerationConfig, GenerationConfig] = {}
         for i, c in enumerate(actor):
             gen = c.plan.generation
-            if gen is not None and gen.free_cache is False and replace(
-                    c.plan, generation=replace(gen, free_cache=True)) in freeing:
-                keeping[c.plan] = i
-            else:  # a kept-cache config without a freeing twin (pinned) is priced alone
-                by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
+            if gen is not None and gen.free_cache is False:
+                twin = with_cache.setdefault(gen, replace(gen, free_cache=True))
+                if (c.plan.parallel, c.plan.training_backend, twin) in freeing:
+                    keeping[(c.plan.parallel, c.plan.training_backend, gen)] = i
+                    continue
+            # a kept-cache config without a freeing twin (pinned) is priced alone
+            by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
         for gen, indices in by_generation.items():
             idx = np.array(indices)
             kept_gen = replace(gen, free_cache=False)
-            twins = [keeping.get(replace(actor[i].plan, generation=kept_gen), -1)
+            twins = [keeping.get((actor[i].plan.parallel, actor[i].plan.training_backend,
+                                  kept_gen), -1)
                      if gen.free_cache is True else -1 for i in indices]
             a_contrib = matrices[actor_role][idx]
             a_resident = np.array([actor[i].resident.total for i in indices])

@@ -296,3 +296,15 @@ def test_fp32_training_keeps_no_master_weights() -> None:
     assert fp32.optimizer == pytest.approx(8 * model.param_count)
     assert bf16.optimizer == pytest.approx(12 * model.param_count)
     assert fp32.params == pytest.approx(2 * bf16.params)
+
+
+def test_memory_breakdowns_add_and_subtract_every_kind() -> None:
+    from dataclasses import fields
+
+    from simulator.costs.memory import MemoryBreakdown
+
+    for i, f in enumerate(fields(MemoryBreakdown)):
+        one = MemoryBreakdown(**{f.name: float(i + 1)})
+        assert getattr(one + one, f.name) == 2 * (i + 1)
+        assert getattr(one + one - one, f.name) == i + 1
+        assert (one + one).total == 2 * (i + 1)

@@ -27,12 +27,19 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                                  for f in fields(self)})
+        # Field by field, spelled out: the search adds breakdowns in its inner loops.
+        return MemoryBreakdown(params=self.params + other.params,
+                               grads=self.grads + other.grads,
+                               optimizer=self.optimizer + other.optimizer,
+                               activations=self.activations + other.activations,
+                               kv_cache=self.kv_cache + other.kv_cache)
 
     def __sub__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(**{f.name: getattr(self, f.name) - getattr(other, f.name)
-                                  for f in fields(self)})
+        return MemoryBreakdown(params=self.params - other.params,
+                               grads=self.grads - other.grads,
+                               optimizer=self.optimizer - other.optimizer,
+                               activations=self.activations - other.activations,
+                               kv_cache=self.kv_cache - other.kv_cache)
 
     def as_dict(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

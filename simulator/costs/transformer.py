@@ -411,6 +411,7 @@ def stage_expert_param_count(model: ModelSpec, *, pp: int, ep: int = 1, etp: int
     return model.stage_expert_params(stage_layers(model.layers, pp)) / (ep * etp)
 
 
+@lru_cache(maxsize=65536)
 def stage_param_count(model: ModelSpec, *, tp: int, pp: int, value_head: bool, ep: int = 1,
                       etp: int = 1) -> float:
     """Parameters on one GPU of the most loaded pipeline stage (embedding on the first stage,
