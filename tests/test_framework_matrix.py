@@ -142,6 +142,16 @@ def reimported(framework: str, job: JobSpec, files: dict[str, str], directory: P
     return importer(launch, context)
 
 
+def assert_round_trip(framework: str, job: JobSpec, plan: Plan, files: dict[str, str],
+                      directory: Path) -> None:
+    """Importing ``plan``'s export gives back the same role layouts at the same price."""
+    back_job, back = reimported(framework, job, files, directory)
+    assert back.roles == plan.roles
+    again = evaluate(back_job, None, "searched", plan=back)
+    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
+                                                    rel=1e-9)
+
+
 @pytest.mark.parametrize(("framework", "name", "gpus", "mode"), CASES)
 def test_every_plan_exports_passes_the_framework_and_round_trips(
         framework: str, name: str, gpus: int, mode: str, tiny_model: Path,
@@ -197,11 +207,7 @@ def verl_round_trip(job: JobSpec, backend: str, model: Path,
     plan = evaluate(job, None, "searched", plan=best.to_plan(job)).plan
     files = export_files(plan, job, "verl")
     framework_accepts("verl", files, model)
-    back_job, back = reimported("verl", job, files, directory)
-    assert back.roles == plan.roles
-    again = evaluate(back_job, None, "searched", plan=back)
-    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
-                                                    rel=1e-9)
+    assert_round_trip("verl", job, plan, files, directory)
     return plan, files
 
 
@@ -261,11 +267,7 @@ def test_a_context_parallel_plan_exports_passes_nemo_rl_and_round_trips(tmp_path
     assert nemo_rl_checks(values) == []
     values["policy.make_sequence_length_divisible_by"] = str(actor.tp)
     assert any("not a multiple" in p for p in nemo_rl_checks(values))
-    back_job, back = reimported("nemo-rl", job, files, tmp_path)
-    assert back.roles == plan.roles
-    again = evaluate(back_job, None, "searched", plan=back)
-    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
-                                                    rel=1e-9)
+    assert_round_trip("nemo-rl", job, plan, files, tmp_path)
 
 
 def test_an_openrlhf_plan_with_token_budgets_exports_parses_and_round_trips(
@@ -291,11 +293,7 @@ def test_an_openrlhf_plan_with_token_budgets_exports_parses_and_round_trips(
     assert args.train.dynamic_batch_enable
     assert args.train.max_tokens_per_gpu == actor.micro_batch_tokens
     assert args.rollout.max_tokens_per_gpu == actor.infer_micro_batch_tokens
-    back_job, back = reimported("openrlhf", job, files, tmp_path)
-    assert back.roles == plan.roles
-    again = evaluate(back_job, None, "searched", plan=back)
-    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
-                                                    rel=1e-9)
+    assert_round_trip("openrlhf", job, plan, files, tmp_path)
 
 
 def test_an_openrlhf_plan_with_ring_attention_exports_parses_and_round_trips(
@@ -314,8 +312,4 @@ def test_an_openrlhf_plan_with_ring_attention_exports_parses_and_round_trips(
     args = openrlhf_parse([a for a in files["openrlhf_args.txt"].splitlines() if a])
     assert (args.ds.ring_attn_size, args.ds.ring_attn_head_stride) == (2, 1)
     assert args.ds.packing_samples
-    back_job, back = reimported("openrlhf", job, files, tmp_path)
-    assert back.roles == plan.roles
-    again = evaluate(back_job, None, "searched", plan=back)
-    assert again.iteration_seconds == pytest.approx(plan.predicted["iteration_seconds"],
-                                                    rel=1e-9)
+    assert_round_trip("openrlhf", job, plan, files, tmp_path)
