@@ -624,7 +624,8 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                 # Same rule as simulator.predict.kv_budget_bytes, vectorised.
                 budget = np.minimum(
                     gen.memory_utilization * profile.memory_bytes - engine_weights
-                    - table.workspace_bytes,
+                    - (table.workspace_bytes if job.rollout.workspace_in_memory_fraction
+                       else 0.0),
                     usable_bytes - during - extra - table.workspace_bytes)
                 capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token
                 ok &= capacity >= table.longest_tokens

@@ -127,12 +127,13 @@ def tiny(framework: str) -> JobSpec:
                      "response_length": {"distribution": "uniform", "min": 4, "max": 32}}})
 
 
-@pytest.mark.parametrize("framework", ["verl", "nemo-rl"])
+@pytest.mark.parametrize("framework", ["verl", "nemo-rl", "verl:sglang"])
 def test_search_equals_brute_force_under_each_framework(framework: str) -> None:
     """The search's frontiers and bounds stay exact with each framework's mechanisms on
     (old-log-prob pass, sleep/wake, offload, per-instance memory utilisation, two values of
-    it tried)."""
-    job = tiny(framework)
+    it tried; SGLang's weight backup and its memory fraction without the workspace)."""
+    name, _, engine = framework.partition(":")
+    job = replace(tiny(name), rollout_engine=engine or None)
     space = SpaceOptions(micro_batches=(1,), backend="fsdp", memory_utilization=(0.9,))
     found = search(job, SearchOptions(space=space, top_k=3)).best
     reference = brute_force(job, space)
