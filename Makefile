@@ -39,7 +39,7 @@ plan: $(VENV)/.plan-installed
 test: $(VENV)/.test-installed $(VENV)/.export-frameworks-installed
 	$(BIN)/ruff check .
 	@status=0; \
-	$(BIN)/python -m pytest -q --ignore=tests/engines || status=1; \
+	$(BIN)/python -m pytest -q --durations=25 --ignore=tests/engines || status=1; \
 	$(MAKE) --no-print-directory test-engines || { status=1; echo "engine stage failed"; }; \
 	exit $$status
 
@@ -59,7 +59,7 @@ $(VENV)/.engines-installed: $(VENV)/.test-installed
 	@touch $@
 
 test-engines: engines
-	$(BIN)/python -m pytest -q tests/engines
+	$(BIN)/python -m pytest -q --durations=10 tests/engines
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_simulator.py
