@@ -337,6 +337,61 @@ def _pareto_by_matrix(ordered: np.ndarray, limits: np.ndarray,
     return mask
 
 
+class _Leaders:
+    """Rows met so far with the least sums, kept to drop the rows they dominate before
+    ``pareto_mask`` sees them. A row that a leader dominates (leader <= row + EPSILON in every
+    column) and whose sum is strictly larger comes after that leader in pareto_mask's sweep,
+    so the sweep drops it: the survivors are the same, from far fewer rows (a 128-GPU set
+    meets millions of combinations, of which a few dozen survive)."""
+
+    KEEP = 4
+    """Leaders kept: the rows of least sum met so far."""
+
+    def __init__(self, width: int) -> None:
+        self.rows = np.empty((0, width))
+        self.sums = np.empty(0)
+
+    def undominated(self, columns: list[np.ndarray]) -> np.ndarray:
+        """Mask of the rows (given as ``columns``) no leader dominates; the least of them may
+        join the leaders."""
+        sums = columns[0].copy()
+        for column in columns[1:]:
+            sums += column  # the order of values.sum(axis=1)
+        limits = [column + EPSILON for column in columns]
+        beaten = np.zeros(len(sums), dtype=bool)
+        for leader, leader_sum in zip(self.rows, self.sums, strict=True):
+            beaten |= self._dominates(leader, leader_sum, limits, sums)
+        candidates = np.where(beaten, np.inf, sums)
+        for _ in range(self.KEEP):
+            at = int(np.argmin(candidates))
+            if not np.isfinite(candidates[at]) or (len(self.sums) == self.KEEP
+                                                   and sums[at] >= self.sums.max()):
+                break
+            leader = np.array([column[at] for column in columns])
+            self._admit(leader, sums[at])
+            now_beaten = self._dominates(leader, sums[at], limits, sums)
+            beaten |= now_beaten
+            candidates[now_beaten] = np.inf
+            candidates[at] = np.inf  # a leader already
+        return ~beaten
+
+    @staticmethod
+    def _dominates(leader: np.ndarray, leader_sum: float, limits: list[np.ndarray],
+                   sums: np.ndarray) -> np.ndarray:
+        beats = leader_sum < sums
+        for value, limit in zip(leader, limits, strict=True):
+            beats &= value <= limit
+        return beats
+
+    def _admit(self, row: np.ndarray, row_sum: float) -> None:
+        if len(self.sums) == self.KEEP:
+            worst = int(np.argmax(self.sums))
+            self.rows = np.delete(self.rows, worst, axis=0)
+            self.sums = np.delete(self.sums, worst)
+        self.rows = np.vstack([self.rows, row])
+        self.sums = np.append(self.sums, row_sum)
+
+
 @dataclass
 class _Combos:
     """Partial combinations of configs, as parallel arrays."""
@@ -583,6 +638,7 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                    for c in actor if c.plan.generation is not None
                    and c.plan.generation.free_cache is True}
         with_cache: dict[GenerationConfig, GenerationConfig] = {}
+        leaders = _Leaders(len(groups))
         for i, c in enumerate(actor):
             gen = c.plan.generation
             if gen is not None and gen.free_cache is False:
@@ -609,7 +665,9 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
             extra = np.broadcast_to(a_extra[None, :], resident.shape)
             offloaded = combos.offload[:, None] + a_offload[None, :]
             during = resident - offloaded  # resident while the engine runs
-            contributions = combos.contributions[:, None, :] + a_contrib[None, :, :]
+            # Each generate node's seconds per (combination, config); the duration vectors
+            # are built only for the pairs that fit (most of the C x A x groups would not).
+            generation_added: list[tuple[int, np.ndarray]] = []
             engine_weights = generation_weight_bytes(job.model(actor_role), gen,
                                                      job.workload.dtype)
             ok = np.maximum(resident + transient, during + extra) <= usable_bytes
@@ -645,7 +703,9 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                                     for cap in unique_caps])
                 peak_kv_bytes = np.array([table.peak_kv_bytes_by_cap[int(cap)]
                                           for cap in unique_caps])
-                contributions[ok, group_of[node.name]] += seconds[which]
+                added = np.zeros(resident.shape)
+                added[ok] = seconds[which]
+                generation_added.append((group_of[node.name], added))
                 peak = extra[ok] + peak_kv_bytes[which] + table.workspace_bytes
                 gen_peak_bytes[ok] = np.maximum(gen_peak_bytes[ok], peak)
             held = allocation if not frees_cache(job, gen) else 0.0
@@ -667,8 +727,17 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                 o_idx, a_idx = np.nonzero(fits)
                 if len(o_idx) == 0:
                     continue
-                chosen = contributions[o_idx, a_idx]
-                rows_d.append(chosen - saved if saved is not None else chosen)
+                # Column by column: the same sums as the rows' (c + a + generation - saved).
+                columns = [combos.contributions[o_idx, j] + a_contrib[a_idx, j]
+                           for j in range(len(groups))]
+                for column, added in generation_added:
+                    columns[column] += added[o_idx, a_idx]
+                if saved is not None:
+                    columns = [c - saved[j] for j, c in enumerate(columns)]
+                if prune:
+                    keep = leaders.undominated(columns)
+                    columns, o_idx, a_idx = [c[keep] for c in columns], o_idx[keep], a_idx[keep]
+                rows_d.append(np.column_stack(columns))
                 rows_pick.append(np.column_stack([combos.picks[o_idx], picks[a_idx]]))
                 rows_resident.append(resident[o_idx, a_idx])
                 rows_transient.append(np.maximum(transient + held_bytes,

@@ -91,6 +91,32 @@ def test_pruning_and_caching_do_not_change_the_answer() -> None:
     assert fast.stats.candidates_evaluated < slow.stats.candidates_evaluated
 
 
+def test_dropping_rows_a_leader_dominates_keeps_the_same_frontier() -> None:
+    """set_frontier drops, block by block, the rows that an earlier row of smaller sum
+    dominates (planner.frontier._Leaders): the rows pareto_mask keeps must not change, ties
+    (equal rows, broken by a key) included."""
+    import numpy as np
+
+    from planner.frontier import _Leaders, pareto_mask
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        rows = rng.integers(0, 6, size=(3000, 3)).astype(float)  # many exact ties
+        keys = rng.permutation(len(rows))
+        leaders = _Leaders(3)
+        kept = np.concatenate([
+            block[leaders.undominated([rows[block, j] for j in range(3)])]
+            for block in np.array_split(np.arange(len(rows)), 7)])
+        assert len(kept) < len(rows)
+
+        def keys_of(among: np.ndarray, keys: np.ndarray = keys):
+            return lambda picked: [int(keys[among[i]]) for i in picked]
+
+        full = np.flatnonzero(pareto_mask(rows, key_of=keys_of(np.arange(len(rows)))))
+        reduced = kept[pareto_mask(rows[kept], key_of=keys_of(kept))]
+        assert sorted(full) == sorted(reduced), trial
+
+
 def test_placements_are_bell_numbers() -> None:
     assert len(placements(("actor", "critic", "ref", "reward"))) == 15
     assert len(placements(("actor", "critic", "ref", "reward", "cost"))) == 52
