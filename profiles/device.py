@@ -19,6 +19,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from profiles.datafile import (
     SpecError,
     convert,
@@ -96,6 +98,19 @@ class EfficiencyCurve:
             return self._fractions[-1]
         i = bisect.bisect_right(sizes, size) - 1
         return self._fractions[i] * (size / sizes[i]) ** self._slopes[i]
+
+    def at_many(self, sizes: np.ndarray) -> np.ndarray:
+        """``at`` of each of ``sizes`` (the same formula, elementwise)."""
+        points = np.asarray(self._sizes)
+        if len(points) == 1:
+            return np.full(len(sizes), self._fractions[0])
+        segment = np.clip(np.searchsorted(points, sizes, side="right") - 1, 0,
+                          len(points) - 2)
+        fractions = np.asarray(self._fractions)
+        inside = fractions[segment] * (sizes / points[segment]) ** np.asarray(
+            self._slopes)[segment]
+        return np.where(sizes <= points[0], fractions[0],
+                        np.where(sizes >= points[-1], fractions[-1], inside))
 
     @classmethod
     def constant(cls, fraction: float) -> EfficiencyCurve:

@@ -271,3 +271,29 @@ def test_progression_moments_sum_few_distinct_lengths_exactly(
             assert square == sum(x * x for x in terms_listed) / terms
             checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("model_name", ["llama2-7b", "qwen3-30b-a3b"])
+def test_a_schedule_priced_at_once_costs_what_each_step_costs(model_name: str) -> None:
+    """The fluid model prices its schedule's intervals at once (StepPricer.seconds_many):
+    every step's price must equal the one-step formula's, the efficiency curve's lookup
+    included, dense and MoE weights alike."""
+    import numpy as np
+
+    from simulator.costs.generation import StepPricer, decode_step_model
+
+    model = MODEL_PRESETS[model_name]
+    for profile_name, graphs, host in (("a100-80gb", False, 0.0), ("h100-80gb", True, 2e-5)):
+        profile = load_profile(profile_name)
+        pricer = StepPricer(decode_step_model(model, GenerationConfig(tp=2), "bf16", 8),
+                            profile, "bf16", graphs, host)
+        rng = np.random.default_rng(3)
+        batch = rng.integers(1, 1024, size=400).astype(float)
+        kv = batch * rng.uniform(0, 4096, size=400)
+        kv[:3] = (0.0, 1.0, 1e12)  # below and beyond the curve's points
+        many = pricer.seconds_many(batch, kv)
+        assert [float(x) for x in many] == [pricer.seconds(float(b), float(k))
+                                            for b, k in zip(batch, kv, strict=True)]
+        curve = profile.efficiency.memory
+        sizes = np.geomspace(1.0, 1e13, 500)
+        assert [float(x) for x in curve.at_many(sizes)] == [curve.at(float(s)) for s in sizes]

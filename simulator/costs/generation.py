@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from profiles.device import DTYPE_BYTES, DeviceProfile
 from simulator.costs.memory import GIB, MemoryBreakdown
 from simulator.costs.primitives import (
@@ -180,6 +182,30 @@ class StepPricer:
         host = batch * self._host_seconds_per_sequence
         # Without micro-batching across stages, a token passes every pipeline stage in turn.
         return self._pp * stage + host + self._fixed_step_seconds
+
+    def seconds_many(self, batch: np.ndarray, kv_tokens: np.ndarray) -> np.ndarray:
+        """``seconds`` of each (batch, KV tokens) pair: the same formula, elementwise."""
+        if self._dense_weight_bytes is not None:
+            weights = self._dense_weight_bytes
+        else:
+            weights = np.array([self._step.weight_bytes_read(float(b)) for b in batch])
+        bytes_read = weights + kv_tokens * self._kv_bytes_per_token
+        memory = bytes_read / (self._bandwidth_bytes_per_s
+                               * self._memory_efficiency.at_many(bytes_read))
+        unique, which = np.unique(batch, return_inverse=True)
+        terms = np.array([self._terms(float(b)) for b in unique]).reshape(-1, 2)
+        gemm, comm_and_launches = terms[which, 0], terms[which, 1]
+        compute = gemm + kv_tokens * self._attention_flops_per_kv_token / self._peak_flops
+        stage = np.maximum(memory, compute) * self._decode_correction + comm_and_launches
+        host = batch * self._host_seconds_per_sequence
+        return self._pp * stage + host + self._fixed_step_seconds
+
+    def _terms(self, batch: float) -> tuple[float, float]:
+        terms = self._batch_terms.get(batch)
+        if terms is None:
+            terms = self._batch_terms[batch] = _batch_terms(
+                self._step, self._profile, self._dtype, batch, self._cuda_graphs)
+        return terms
 
     def interval(self, batch: float, admitted_sum: float, prompt_len: int, start: float,
                  finish: float) -> tuple[float, float]:
@@ -755,6 +781,44 @@ def _decode_exact(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
 def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: str,
                   plan: _FluidPlan, *, prompt_len: int, cap: int, cuda_graphs: bool,
                   host_seconds_per_sequence: float) -> tuple[float, int, float]:
+    """The fluid model's schedule (``_fluid_schedule``, shared by every engine that decodes
+    this batch at this cap) priced for one engine: the intervals' seconds at once, summed in
+    the schedule's order."""
+    schedule = _fluid_schedule(plan, cap)
+    pricer = StepPricer(step_model, profile, dtype, cuda_graphs, host_seconds_per_sequence)
+    batch, admitted, start, finish = schedule.intervals
+    count = finish - start
+    middle = start + (count - 1) / 2
+    kv_middle = batch * (prompt_len + 1 + middle) - admitted
+    parts = count * pricer.seconds_many(batch, kv_middle)
+    if schedule.skip_at >= 0:
+        steps = plan.middle_tokens / cap
+        kv_tokens = (plan.middle_tokens * (prompt_len + 1)
+                     + (plan.middle_square_tokens - plan.middle_tokens) / 2) / steps
+        parts = np.insert(parts, schedule.skip_at, steps * pricer.seconds(float(cap), kv_tokens))
+    # add.accumulate sums left to right, as the event loop did.
+    seconds = float(np.add.accumulate(parts)[-1]) if len(parts) else 0.0
+    kv_end = batch * (prompt_len + finish) - admitted
+    peak_kv_tokens = max(0.0, float(kv_end.max())) if len(kv_end) else 0.0
+    return seconds, round(schedule.last_step), peak_kv_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class _FluidSchedule:
+    """The fluid model's decode of one batch at one running cap, in steps: what runs when,
+    independent of how long a step takes."""
+
+    intervals: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    """Per stretch of steps between two finishes: (running responses, sum of responses x
+    their admission step, first step, step after the last)."""
+    skip_at: int
+    """Position among the intervals where the skipped middle goes (-1: none)."""
+    last_step: float
+    """The step at which the last response finishes."""
+
+
+@lru_cache(maxsize=4096)
+def _fluid_schedule(plan: _FluidPlan, cap: int) -> _FluidSchedule:
     """The event loop over weighted groups: a group of w responses of length L decodes like w
     sequences admitted together; the running batch (``step_seconds``' batch) is the running
     weight and the KV cache is weight-summed. With every weight 1 this is ``_decode_exact``.
@@ -778,7 +842,6 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
     equal lengths, since the middle is a whole number of caps). Its peak KV cache is taken as
     the prefix's and suffix's.
     """
-    pricer = StepPricer(step_model, profile, dtype, cuda_graphs, host_seconds_per_sequence)
     groups = list(plan.prefix + plan.suffix)
     skip_at = len(plan.prefix) if plan.middle_sequences else -1
     total = len(groups)
@@ -787,16 +850,14 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
     admitted_sum = 0.0  # sum of responses x their admission step
     index = 0
     step = 0.0
-    seconds = 0.0
-    peak_kv_tokens = 0.0
+    rows: list[tuple[float, float, float, float]] = []
+    skip_position = -1
     while True:
         while index < total:
             if index == skip_at:
                 skip_at = -1
+                skip_position = len(rows)
                 steps = plan.middle_tokens / cap
-                kv_tokens = (plan.middle_tokens * (prompt_len + 1)
-                             + (plan.middle_square_tokens - plan.middle_tokens) / 2) / steps
-                seconds += steps * pricer.seconds(float(cap), kv_tokens)
                 step += steps
                 admitted_sum += weight * steps
                 running = [(f + steps, a + steps, w) for f, a, w in running]
@@ -818,9 +879,7 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
             break
         finish = running[0][0]
         if finish > step:
-            interval, kv_end = pricer.interval(weight, admitted_sum, prompt_len, step, finish)
-            seconds += interval
-            peak_kv_tokens = max(peak_kv_tokens, kv_end)
+            rows.append((weight, admitted_sum, step, finish))
         step = finish
         # Groups of one length admitted at one step finish together; float sums of lengths
         # may differ in the last bits, so "together" is within 1e-9 steps.
@@ -830,7 +889,9 @@ def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
             admitted_sum -= group * admitted
         if not running:  # no drift of the sums from float cancellation
             weight = admitted_sum = 0.0
-    return seconds, round(step), peak_kv_tokens
+    columns = np.array(rows, dtype=float).reshape(-1, 4).T
+    return _FluidSchedule(intervals=(columns[0], columns[1], columns[2], columns[3]),
+                          skip_at=skip_position, last_step=step)
 
 
 def generate(model: ModelSpec, profile: DeviceProfile, gen: GenerationConfig, *,
