@@ -76,13 +76,43 @@ def local_gpu_index(ray_gpu_ids: list, visible: str | None) -> int:
     return int(gpu)
 
 
-def bind_local_gpu() -> None:
-    """Make the worker's GPU the current CUDA device (no-op without one)."""
-    if not has_gpu():
-        return
+def nvidia_driver_present() -> bool:
+    """Whether this machine has NVIDIA GPUs for its driver (the driver's /proc entry or a
+    /dev/nvidiaN device file). Ray GPUs on a machine without them are virtual: a CPU run."""
+    from pathlib import Path
+
+    return Path("/proc/driver/nvidia/version").exists() or \
+        any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def unusable_gpu_reason(ray_gpu_ids: list, cuda_available: bool,
+                        driver_present: bool) -> str | None:
+    """Why a worker must not start (None: it may): Ray gave it a GPU of a machine that has
+    NVIDIA GPUs, but its torch sees no CUDA device, so it would train on the CPU with gloo
+    (issue 31 defect 8: silently, before)."""
+    if not ray_gpu_ids or cuda_available or not driver_present:
+        return None
     import os
 
+    return (f"Ray gave this worker GPU {ray_gpu_ids[0]} of a machine with NVIDIA GPUs, but "
+            f"its torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no CUDA "
+            f"device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}): it "
+            "would run on the CPU with gloo. Install a CUDA build of torch on every node, or "
+            "check that the driver matches it")
+
+
+def bind_local_gpu() -> None:
+    """Make the worker's GPU the current CUDA device; refuse a GPU that torch cannot use
+    (``unusable_gpu_reason``). No-op on virtual GPUs (a machine without NVIDIA GPUs)."""
     import ray
+
+    if not has_gpu():
+        ids = ray.get_gpu_ids() if ray.is_initialized() else []
+        reason = unusable_gpu_reason(ids, False, nvidia_driver_present())
+        if reason:
+            raise RuntimeError(reason)
+        return
+    import os
 
     torch.cuda.set_device(local_gpu_index(ray.get_gpu_ids(),
                                           os.environ.get("CUDA_VISIBLE_DEVICES")))

@@ -12,12 +12,12 @@ rollout set at once, trains on batch i meanwhile, waits for batch i + 1, and syn
 trainer's weights to the rollout set (``sync_weights``). Batch i + 1 is thus generated with
 the weights after update i - 1: staleness 1.
 
-The log-prob correction is the recomputation of the old log-probs (verl's one-step-off
-recipe does the same): the trainer's actor computes the sampled tokens' log-probs with its
-current weights before the update (node ``actor.old_log_prob``), and PPO's ratio and clip,
-and the KL penalty, take those, so each update is a proximal step from the trainer's own
-policy exactly as in a synchronous run. The rollout's log-probs (one update older) are kept
-as ``rollout_log_probs`` and their gap is reported per iteration
+The log-prob correction is the recomputation of the old log-probs (verl does the same in
+every mode): the trainer's actor computes the sampled tokens' log-probs with its current
+weights before the update (node ``actor.old_log_prob``), and PPO's ratio and clip, and the KL
+penalty, take those, so each update is a proximal step from the trainer's own policy. The
+generator's log-probs (one update older under one-step-off; numerically another engine's in
+every mode) are kept as ``rollout_log_probs`` and their gap is reported per iteration
 (``rollout_log_prob_mismatch``: mean |log p_rollout - log p_old| over response tokens).
 Importance weights p_old / p_rollout on top (decoupled PPO) are not applied: at staleness 1
 with a clipped update the two policies are one proximal step apart, and the recomputation
@@ -209,11 +209,13 @@ OLD_LOG_PROB_NODE = "actor.old_log_prob"
 
 
 def _old_log_probs(ctx: Context, batch: Batch) -> Callable[[], Batch]:
-    """One-step-off: start the trainer's recomputation of the sampled tokens' log-probs; the
-    returned function finishes it into ``old_log_probs`` (the trainer's) and
-    ``rollout_log_probs`` (the generating policy's). Synchronous: nothing to correct."""
-    if ctx.mode != "one_step_off":
-        return Batch
+    """Start the trainer's recomputation of the sampled tokens' log-probs; the returned
+    function finishes it into ``old_log_probs`` (the trainer's) and ``rollout_log_probs`` (the
+    generator's). Every mode recomputes, as verl does (ray_trainer.py, the actor's
+    compute_log_prob): one-step-off because the batch comes from older weights, synchronous
+    runs because the generator's kernels (another engine, bf16 sampling) give other numbers
+    than the trainer's, which would start PPO's ratio and the KL off 1 and 0 (issue 31 defect
+    2)."""
     pending = ctx.actor.log_probs(batch, node=OLD_LOG_PROB_NODE)
 
     def finish() -> Batch:
@@ -275,8 +277,8 @@ def _summary(batch: Batch, extra: dict[str, Any], eos_token_id: int) -> dict[str
                "entropy_estimate": float(-(batch["old_log_probs"] * mask).sum() / tokens),
                "response_length_counts": json.dumps(counts)}
     if "rollout_log_probs" in batch:
-        # One-step-off: how far the generating policy (one update older) is from the
-        # trainer's on the sampled tokens.
+        # How far the generator's log-probs (one update older under one-step-off) are from
+        # the trainer's on the sampled tokens.
         gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
         metrics["rollout_log_prob_mismatch"] = float(gap.sum() / tokens)
     if "ref_log_probs" in batch:

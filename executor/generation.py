@@ -150,6 +150,11 @@ class GenerationEngine:
             return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
+    def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """RMSNorm over each head's width (the last dimension)."""
+        return self.weights[name] * (
+            x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps))
+
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         bias = self.weights.get(name.replace(".weight", ".bias"))
         return F.linear(x, self.weights[name], bias)
@@ -172,7 +177,7 @@ class GenerationEngine:
         x = self._embed(tokens)
         if spec.learned_positions:
             x = x + F.embedding(positions, self.weights["model.embed_positions.weight"])
-        cos, sin = rotary_tables(positions, hd, spec.rope_theta, x.dtype)
+        cos, sin = rotary_tables(positions, hd, spec.rope_theta, x.dtype, spec.rope_scaling)
         for i in range(spec.layers):
             p = f"model.layers.{i}."
             h = self._norm(x, p + "input_layernorm")
@@ -182,6 +187,9 @@ class GenerationEngine:
             heads, kv_heads = q.shape[-1] // hd, k.shape[-1] // hd
             q = q.view(batch, new, heads, hd).transpose(1, 2)
             k = k.view(batch, new, kv_heads, hd).transpose(1, 2)
+            if spec.qk_norm:  # Qwen3: each head RMS-normalised before the rotary embedding
+                q = self._head_norm(q, p + "self_attn.q_norm.weight")
+                k = self._head_norm(k, p + "self_attn.k_norm.weight")
             if not spec.learned_positions:
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             v = v.view(batch, new, kv_heads, hd).transpose(1, 2)

@@ -61,11 +61,13 @@ def _bytes(t: torch.Tensor) -> int:
 
 def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: int,
                 tp_group: Any, tp_rank: int, kv_cache_budget_bytes: int | None = None,
-                dtype: torch.dtype = torch.float32) -> Any:
+                dtype: torch.dtype = torch.float32, max_model_tokens: int | None = None) -> Any:
     """The generator: the native sampler on this rank's generation shard (its generation tp
     group given; it computes in its weights' dtype), or vLLM fed whole tensors in ``dtype``
-    (it forms its own tensor-parallel groups). ``kv_cache_budget_bytes``: this GPU's
-    KV-cache budget (None: each engine's default)."""
+    (it forms its own tensor-parallel groups) and started with the plan's engine settings
+    (``max_num_seqs``, ``memory_utilization``; ``max_model_tokens``, the job's longest
+    sequence, as its ``max_model_len``). ``kv_cache_budget_bytes``: this GPU's KV-cache budget
+    (None: each engine's default)."""
     if backend == "vllm":
         from executor.backends.vllm import VLLMEngine
 
@@ -73,7 +75,10 @@ def make_engine(spec: Any, generation: GenerationConfig, backend: str, *, seed: 
         # profile's, and every virtual GPU shares this host's memory: vLLM's CPU sizing
         # (VLLM_CPU_KVCACHE_SPACE) stays in charge.
         return VLLMEngine(spec, tp_size=generation.tp, seed=seed, dtype=dtype,
-                          kv_cache_budget_bytes=kv_cache_budget_bytes if has_gpu() else None)
+                          kv_cache_budget_bytes=kv_cache_budget_bytes if has_gpu() else None,
+                          max_model_len=max_model_tokens,
+                          max_num_seqs=generation.max_num_seqs,
+                          gpu_memory_utilization=generation.memory_utilization)
     return GenerationEngine(spec, tp_group=tp_group, tp_size=generation.tp, tp_rank=tp_rank,
                             kv_cache_budget_bytes=kv_cache_budget_bytes)
 
@@ -84,7 +89,8 @@ class HybridEngine:
     def __init__(self, trainer: Trainer, generation: GenerationConfig,
                  mode: TransitionMode = "micro_dp", backend: str = "native", seed: int = 0,
                  *, kv_cache_budget_bytes: int | None = None,
-                 transition_bucket_bytes: int = TRANSITION_BUCKET_BYTES):
+                 transition_bucket_bytes: int = TRANSITION_BUCKET_BYTES,
+                 max_model_tokens: int | None = None):
         par = trainer.par
         if par.tp % generation.tp:
             raise ValueError(f"generation tp {generation.tp} must divide training tp {par.tp}")
@@ -108,7 +114,7 @@ class HybridEngine:
                                   tp_group=self.mesh.get_group("gen_tp"),
                                   tp_rank=self.gen_tp_rank,
                                   kv_cache_budget_bytes=kv_cache_budget_bytes,
-                                  dtype=trainer.dtype)
+                                  dtype=trainer.dtype, max_model_tokens=max_model_tokens)
         self._aliased: list[torch.Tensor] = []
 
     # ----- transitions -----

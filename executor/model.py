@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from profiles.datafile import SpecError
-from simulator.specs.model import ModelSpec
+from simulator.specs.model import ModelSpec, RopeScaling
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
@@ -43,11 +43,31 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape positions.shape + (head_dim,) (Llama's rotate-half layout)."""
+def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                       device: torch.device) -> torch.Tensor:
+    """Inverse wavelengths (radians per position) of the rotary pairs, with Llama-3.1's
+    scaling when ``scaling`` says so: wavelengths beyond original / low_freq_factor are
+    stretched by ``factor``, those below original / high_freq_factor kept, and the ones
+    between blended linearly in original / wavelength (Meta's llama3 ``apply_scaling``)."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                        device=positions.device) / head_dim))
+                                        device=device) / head_dim))
+    if scaling is None:
+        return inv
+    original = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv
+    blend = ((original / wavelength - scaling.low_freq_factor)
+             / (scaling.high_freq_factor - scaling.low_freq_factor))
+    blended = (1 - blend) * inv / scaling.factor + blend * inv
+    long = wavelength > original / scaling.low_freq_factor
+    short = wavelength < original / scaling.high_freq_factor
+    return torch.where(long, inv / scaling.factor, torch.where(short, inv, blended))
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype, scaling: RopeScaling | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape positions.shape + (head_dim,) (Llama's rotate-half layout)."""
+    inv = rotary_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float32)[..., None] * inv
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -90,6 +110,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.kv_heads * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(h, spec.kv_heads * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(spec.heads * hd, h, bias=spec.linear_bias)
+        # Qwen3: every query and key head RMS-normalised before the rotary embedding.
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.norm_eps)
+            self.k_norm = RMSNorm(hd, spec.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,6 +127,8 @@ class Attention(nn.Module):
         q = q.view(batch, tokens, heads, hd).transpose(1, 2)
         k = k.view(batch, tokens, kv_heads, hd).transpose(1, 2)
         v = v.view(batch, tokens, kv_heads, hd).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if attn_mask is None:
@@ -186,7 +213,7 @@ class CausalLM(nn.Module):
         if self.spec.learned_positions:
             x = x + self.model.embed_positions(positions)
         cos, sin = rotary_tables(positions, self.spec.head_dim_value, self.spec.rope_theta,
-                                 x.dtype)
+                                 x.dtype, self.spec.rope_scaling)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
         return self.model.norm(x)
@@ -371,20 +398,40 @@ def build_model(spec: ModelSpec, *, value_head: bool = False, seed: int = 0,
     return model
 
 
+def hf_family(spec: ModelSpec) -> tuple[str, str]:
+    """(``model_type``, architecture prefix) of the Hugging Face class that has exactly this
+    spec's weights: Qwen3 (q/k norms, no biases), Qwen2 (biases on q, k and v only; Llama's
+    ``attention_bias`` would add one to o_proj too) or Llama."""
+    if spec.qk_norm:
+        return "qwen3", "Qwen3"
+    if spec.qkv_bias:
+        return "qwen2", "Qwen2"
+    return "llama", "Llama"
+
+
 def hf_config(spec: ModelSpec, dtype: torch.dtype, *, value_head: bool = False) -> dict:
-    """The Hugging Face ``config.json`` of a Llama-architecture ModelSpec: a causal LM, or a
-    value model as ``LlamaForTokenClassification`` with one label (a value per token)."""
-    head = {"architectures": ["LlamaForTokenClassification"], "num_labels": 1} if value_head \
-        else {"architectures": ["LlamaForCausalLM"]}
+    """The Hugging Face ``config.json`` of a Llama-style ModelSpec (Llama, Qwen2 or Qwen3,
+    ``hf_family``): a causal LM, or a value model as ``...ForTokenClassification`` with one
+    label (a value per token)."""
+    model_type, prefix = hf_family(spec)
+    head = {"architectures": [f"{prefix}ForTokenClassification"], "num_labels": 1} \
+        if value_head else {"architectures": [f"{prefix}ForCausalLM"]}
+    extra: dict = {}
+    if model_type == "llama":
+        extra["attention_bias"] = False
+        extra["mlp_bias"] = False
+    if model_type == "qwen3":
+        extra["attention_bias"] = False
+    if spec.rope_scaling is not None:
+        extra["rope_scaling"] = spec.rope_scaling.to_hf()
     return {
-        **head, "model_type": "llama",
+        **head, "model_type": model_type, **extra,
         "vocab_size": spec.vocab, "hidden_size": spec.hidden,
         "intermediate_size": spec.ffn_hidden, "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
         "head_dim": spec.head_dim_value, "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta, "max_position_embeddings": spec.max_seq_len,
         "tie_word_embeddings": spec.tied_embeddings, "hidden_act": "silu",
-        "attention_bias": spec.qkv_bias,
         "torch_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16",
                         torch.float16: "float16"}[dtype],
     }

@@ -69,6 +69,9 @@ class RoleConfig:
     kv_cache_budget_bytes: int | None = None
     """Actor only: the KV-cache bytes per GPU the plan leaves generation (the simulator's
     budget); None: the engine's own default."""
+    max_model_tokens: int | None = None
+    """Actor only: the longest sequence it generates (prompt + response tokens), the vLLM
+    engine's ``max_model_len``; None: the model's context window."""
     rollout: bool = False
     """Actor only: the plan generates on a rollout set of its own (``one_step_off``): the
     trainer's actor has no generation engine and sends its weights to the rollout set after
@@ -188,11 +191,13 @@ class ActorRole(Role):
 
             self.hybrid = MegatronHybridEngine(
                 self.trainer, config.generation, backend=config.generation_backend,
-                seed=config.seed, kv_cache_budget_bytes=config.kv_cache_budget_bytes)
+                seed=config.seed, kv_cache_budget_bytes=config.kv_cache_budget_bytes,
+                max_model_tokens=config.max_model_tokens)
         else:
             self.hybrid = HybridEngine(self.trainer, config.generation, config.transition,
                                        backend=config.generation_backend, seed=config.seed,
-                                       kv_cache_budget_bytes=config.kv_cache_budget_bytes)
+                                       kv_cache_budget_bytes=config.kv_cache_budget_bytes,
+                                       max_model_tokens=config.max_model_tokens)
 
     @protocol(Protocol.MICRO_DP)
     def generate(self, batch: Batch) -> Batch:
@@ -392,7 +397,7 @@ class RolloutRole:
                                   seed=config.seed, tp_group=mesh.get_group("gen_tp"),
                                   tp_rank=self.tp_rank,
                                   kv_cache_budget_bytes=config.kv_cache_budget_bytes,
-                                  dtype=self.dtype)
+                                  dtype=self.dtype, max_model_tokens=config.max_model_tokens)
         self.sync: SyncGroup | None = None
         self.last_transition = None
         self.syncs = 0

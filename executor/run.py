@@ -464,6 +464,8 @@ def role_configs(job: JobSpec, plan: Plan, options: ExecutionOptions,
             generation_backend=backends[role][1], training_backend=backends[role][0],
             dtype=work.dtype, checkpoint=checkpoints.get(role),
             kv_cache_budget_bytes=kv_budget if rp.generation is not None else None,
+            max_model_tokens=(task.prompt_length + response_cap(job, task)
+                              if rp.generation is not None else None),
             offload_optimizer=trainable and offload.optimizer,
             offload_grads=trainable and offload.grads)
     # The reference starts as a copy of the actor: same seed, same model.

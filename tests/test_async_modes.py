@@ -210,13 +210,13 @@ def test_plan_shows_every_mode_and_picks_among_the_allowed_ones():
 
 @pytest.mark.parametrize(("framework", "mode", "recomputes"), [
     ("verl", "sync", True), ("verl", "one_step_off", True), ("verl", "async", False),
-    ("hybridflow", "sync", False), ("hybridflow", "one_step_off", True),
+    ("hybridflow", "sync", True), ("hybridflow", "one_step_off", True),
     ("hybridflow", "async", False),
 ])
 def test_each_mode_runs_the_old_log_prob_pass_its_framework_runs(framework, mode, recomputes):
     """verl's one-step-off trainer recomputes the old log-probs, its fully-async trainer uses
-    the rollout's; this project's executor recomputes them only one step off. A plan of an
-    ``auto`` job is priced with the passes of the plan's own mode."""
+    the rollout's; this project's executor recomputes them in sync and one-step-off
+    runs. A plan of an ``auto`` job is priced with the passes of the plan's own mode."""
     job = dataclasses.replace(_long_tail_job(), framework=framework, mode="auto",
                               max_staleness=1)
     plan = _split(job, mode=mode, rollout=8) if mode != "sync" else None

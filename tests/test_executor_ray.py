@@ -275,6 +275,9 @@ def test_the_workloads_response_length_caps_generation(tmp_path: Path) -> None:
     assert metrics["entropy_estimate"] > 0 and metrics["tokens_per_s"] > 0
     assert metrics["score_min"] <= metrics["score"] <= metrics["score_max"]
     assert metrics["kl_to_reference"] == pytest.approx(0.0, abs=1e-2)  # no update yet
+    # A synchronous run recomputes the old log-probs with the trainer (issue 31 defect 2):
+    # the generator's agree with them here (the same fp32 kernels on one CPU).
+    assert 0 <= metrics["rollout_log_prob_mismatch"] < 1e-3
 
 
 @pytest.mark.parametrize("layout", [(2, 1, "none"), (1, 2, "fsdp")])

@@ -35,19 +35,95 @@ from simulator.specs.presets import MODEL_PRESETS  # noqa: E402
 torch.set_num_threads(1)
 
 
-def test_model_matches_hugging_face_llama(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+# Tiny configs of the Hugging Face families the executor builds (issue 31, defect 1): Qwen2 has
+# biases on q, k and v but not on o_proj (a Llama config with attention_bias would add one),
+# Llama-3.1 scales its rotary frequencies (positions beyond original / high_freq_factor differ),
+# Qwen3 RMS-normalises each query and key head.
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_theta": 1e6}),
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", {
+        "rope_theta": 5e5, "max_position_embeddings": 256,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "rope_theta": 1e6}),
+}
+
+
+def _hf_reference(family: str, transformers):
+    config_class, model_class, extra = HF_FAMILIES[family]
+    config = getattr(transformers, config_class)(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-        tie_word_embeddings=False)
+        tie_word_embeddings=False, **extra)
     torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # biases and norms away from their initial 0 and 1
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_model_matches_hugging_face(family: str, tmp_path: Path) -> None:
+    """A Hugging Face checkpoint of each family loads into the executor's model with the same
+    logits (over 40 positions: past Llama-3.1's scaled wavelengths)."""
+    transformers = pytest.importorskip("transformers")
+    reference = _hf_reference(family, transformers)
     reference.save_pretrained(tmp_path)
     ours = build_model(from_hf_config(tmp_path), checkpoint=tmp_path).eval()
-    ids = torch.randint(0, 64, (2, 9))
+    ids = torch.randint(0, 64, (2, 40))
     with torch.no_grad():
         assert torch.allclose(reference(ids).logits, ours(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_written_checkpoints_reload_in_transformers_as_the_same_model(family: str,
+                                                                     tmp_path: Path) -> None:
+    """What the executor writes (--save-hf, and the config vLLM starts from) is the same
+    model to transformers: its own class, no missing or unexpected weight, the same logits,
+    and the same spec read back."""
+    transformers = pytest.importorskip("transformers")
+    from executor.model import write_hf_checkpoint
+
+    reference = _hf_reference(family, transformers)
+    reference.save_pretrained(tmp_path / "source")
+    spec = from_hf_config(tmp_path / "source")
+    ours = build_model(spec, checkpoint=tmp_path / "source").eval()
+    state = {n: p.detach() for n, p in ours.named_parameters()}
+    write_hf_checkpoint(tmp_path / "written", spec, state, torch.float32)
+    reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "written", output_loading_info=True, dtype=torch.float32)
+    assert type(reloaded).__name__ == HF_FAMILIES[family][1]
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        assert torch.allclose(reloaded.eval()(ids).logits, ours(ids), atol=1e-5)
+    again = from_hf_config(tmp_path / "written")
+    for field in ("qkv_bias", "qk_norm", "rope_scaling", "rope_theta", "head_dim_value",
+                  "kv_heads", "tied_embeddings"):
+        assert getattr(again, field) == getattr(spec, field), field
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
+def test_native_generation_runs_qk_norms_and_scaled_rotary_as_the_model(family: str,
+                                                                        tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    _hf_reference(family, transformers).save_pretrained(tmp_path)
+    spec = from_hf_config(tmp_path)
+    model = build_model(spec, checkpoint=tmp_path).eval()
+    engine = GenerationEngine(spec)
+    engine.load({n: p.detach() for n, p in model.named_parameters()})
+    prompts = torch.randint(4, 60, (3, 20))
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, eos_token_id=EOS),
+                          torch.Generator().manual_seed(0))
+    sequence = torch.cat([prompts, out.responses], dim=1)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(sequence)[:, 19:-1], -1).gather(
+            -1, out.responses[:, :, None]).squeeze(-1)
+    mask = torch.arange(12)[None] < out.lengths[:, None]
+    assert torch.allclose(log_probs[mask], out.log_probs[mask], atol=1e-4)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path: Path) -> None:
@@ -514,3 +590,36 @@ def test_the_vllm_engine_on_a_gpu_starts_dummy_sleeps_at_level_2_and_wakes_in_or
                                      "reset_prefix_cache", "wake_up"]
     assert calls[0] == ("sleep", 2)
     assert calls[2] == ("wake_up", ["weights"]) and calls[-1] == ("wake_up", ["kv_cache"])
+
+
+def test_vllm_starts_with_the_plans_engine_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31 defect 5: the engine runs what the plan priced: its running cap
+    (max_num_seqs), memory share and the job's longest sequence as max_model_len (not vLLM's
+    own 1024 / 256 by GPU, or the model's whole context)."""
+    import torch
+
+    import executor.hybrid_engine as hybrid_engine
+    from simulator.specs.parallel import GenerationConfig
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hybrid_engine, "has_gpu", lambda: True)
+    gen = GenerationConfig(tp=1, max_num_seqs=96, memory_utilization=0.6)
+    engine = hybrid_engine.make_engine(MODEL_PRESETS["tiny-2l"], gen, "vllm", seed=0,
+                                       tp_group=None, tp_rank=0, max_model_tokens=300)
+    assert engine.settings["max_num_seqs"] == 96
+    assert engine.settings["gpu_memory_utilization"] == 0.6
+    assert engine.settings["max_model_len"] == 300
+
+
+def test_a_gpu_torch_cannot_use_stops_the_worker_instead_of_running_on_cpu() -> None:
+    """Issue 31 defect 8: a Ray GPU on a machine with NVIDIA GPUs whose torch sees no CUDA
+    device is an error naming the cause; virtual GPUs (no NVIDIA driver: CPU runs) and usable
+    GPUs are not."""
+    from executor.device import unusable_gpu_reason
+
+    reason = unusable_gpu_reason(["3"], cuda_available=False, driver_present=True)
+    assert reason is not None and "GPU 3" in reason and "CUDA build of torch" in reason
+    assert unusable_gpu_reason(["3"], cuda_available=False, driver_present=False) is None
+    assert unusable_gpu_reason(["3"], cuda_available=True, driver_present=True) is None
+    assert unusable_gpu_reason([], cuda_available=False, driver_present=True) is None

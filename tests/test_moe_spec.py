@@ -92,6 +92,7 @@ def test_hf_qwen3_moe_config_reads_as_the_preset(tmp_path: Path):
         "attention_bias": False}))
     preset = MODEL_PRESETS["qwen3-30b-a3b"]
     assert model.moe == preset.moe
+    assert model.qk_norm and preset.qk_norm  # Qwen3's q/k head norms
     assert (model.param_count, model.active_param_count) == (preset.param_count,
                                                              preset.active_param_count)
 

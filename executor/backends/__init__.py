@@ -60,6 +60,25 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def megatron_unsupported_reason(spec: Any) -> str | None:
+    """Why the Megatron backend would build ``spec`` as another model (None: it builds it).
+    Megatron-core's rotary scaling is Llama-3.1's with its constants fixed (low 1, high 4,
+    original 8192: megatron/core/models/common/embeddings/rotary_pos_embedding.py
+    ``_apply_scaling``), only the factor is passed; the backend's layer spec has no q/k
+    norms."""
+    scaling = getattr(spec, "rope_scaling", None)
+    if scaling is not None and (scaling.low_freq_factor, scaling.high_freq_factor,
+                                scaling.original_max_position_embeddings) != (1, 4, 8192):
+        return (f"{spec.name}'s llama3 rope scaling (low {scaling.low_freq_factor}, high "
+                f"{scaling.high_freq_factor}, original "
+                f"{scaling.original_max_position_embeddings}) is not Megatron-core's (1, 4, "
+                "8192); train it with the torch backend")
+    if getattr(spec, "qk_norm", False):
+        return (f"{spec.name} normalises query and key heads (Qwen3), which the Megatron "
+                "backend's layers do not; train it with the torch backend")
+    return None
+
+
 def check_megatron_layout(spec: Any, par: Any, key: str, generation: Any = None) -> None:
     """Reject layouts the Megatron backend cannot run, naming the setting."""
     if par.sharding == "fsdp":
@@ -89,6 +108,10 @@ def check_available(role: str, training: str, generation: str, *, spec: object =
     if training == "megatron" and not megatron_installed():
         raise SpecError(f"Megatron-core is not installed: {INSTALL_HINT}",
                         key=f"backends.{role}.training")
+    if training == "megatron" and spec is not None:
+        reason = megatron_unsupported_reason(spec)
+        if reason:
+            raise SpecError(reason, key=f"backends.{role}.training")
     if getattr(spec, "moe", None) is not None and training != "megatron":
         raise SpecError(f"{getattr(spec, 'name', role)} is a mixture of experts: the torch "
                         "backend builds dense models only; train it with training: megatron",

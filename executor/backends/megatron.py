@@ -242,7 +242,10 @@ def build_gpt(spec: ModelSpec, par: ParallelConfig, *, value_head: bool, pp_rank
         pre_process=chunk == 0, post_process=chunk == chunks - 1,
         share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
         position_embedding_type="learned_absolute" if spec.learned_positions else "rope",
-        rotary_base=int(spec.rope_theta), vp_stage=vp_stage)
+        rotary_base=int(spec.rope_theta), vp_stage=vp_stage,
+        # Llama-3.1's scaling (the constants checked by megatron_unsupported_reason).
+        rope_scaling=spec.rope_scaling is not None,
+        rope_scaling_factor=spec.rope_scaling.factor if spec.rope_scaling else 8.0)
     if value_head and model.post_process:
         model.output_layer = ValueHead(spec.hidden, sequence_parallel=config.sequence_parallel
                                        ).to(dtype)
@@ -719,9 +722,12 @@ class MegatronTrainer:
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor | None,
                                    shape: tuple[int, ...]) -> torch.Tensor:
-        """The last pipeline stage's result on every stage (the controller collects from the
-        first)."""
+        """The last pipeline stage's result (fp32 log-probs or values) on every stage (the
+        controller collects from the first). The receiving buffer lives on the worker's
+        device: NCCL sends GPU tensors only (issue 31 defect 3; it was a CPU tensor)."""
         from megatron.core import parallel_state as ps
+
+        from executor.device import worker_device
 
         if self.par.pp == 1:
             assert tensor is not None
@@ -729,7 +735,9 @@ class MegatronTrainer:
         group = ps.get_pipeline_model_parallel_group()
         last = ps.get_pipeline_model_parallel_last_rank()
         if tensor is None:
-            tensor = torch.empty(shape)
+            tensor = torch.empty(shape, dtype=torch.float32, device=worker_device())
+        else:
+            tensor = tensor.to(device=worker_device(), dtype=torch.float32).contiguous()
         torch.distributed.broadcast(tensor, src=last, group=group)
         return tensor
 

@@ -36,7 +36,8 @@ class MegatronHybridEngine:
     """The actor's generation side, fed from its MegatronTrainer's shards."""
 
     def __init__(self, trainer: Any, generation: GenerationConfig, backend: str = "native",
-                 seed: int = 0, *, kv_cache_budget_bytes: int | None = None):
+                 seed: int = 0, *, kv_cache_budget_bytes: int | None = None,
+                 max_model_tokens: int | None = None):
         par = trainer.par
         if par.tp % generation.tp:
             raise ValueError(f"generation tp {generation.tp} must divide training tp {par.tp}")
@@ -77,7 +78,7 @@ class MegatronHybridEngine:
         self.engine = make_engine(trainer.spec, generation, backend, seed=seed,
                                   tp_group=gen_tp_group, tp_rank=self.gen_tp_rank,
                                   kv_cache_budget_bytes=kv_cache_budget_bytes,
-                                  dtype=trainer.dtype)
+                                  dtype=trainer.dtype, max_model_tokens=max_model_tokens)
         # What each member contributes: names and shapes are fixed by the layout, so they are
         # exchanged once.
         # Of the tensor-parallel ranks a stage has in the group, the first brings the tensors

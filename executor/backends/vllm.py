@@ -93,7 +93,8 @@ class VLLMEngine:
 
     def __init__(self, spec: ModelSpec, *, tp_size: int = 1, seed: int = 0,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, kv_cache_budget_bytes: int | None = None):
+                 gpu_memory_utilization: float = 0.5, kv_cache_budget_bytes: int | None = None,
+                 max_num_seqs: int | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -105,6 +106,10 @@ class VLLMEngine:
             # CPUs have no CUDA graphs; GPUs capture them (one launch per decode step).
             "enforce_eager": not torch.cuda.is_available(), "load_format": "dummy",
         }
+        if max_num_seqs is not None:
+            # The plan's running cap; left out, vLLM picks 1024 or 256 by GPU (vllm 0.32
+            # engine/arg_utils.py), which the plan did not price.
+            self.settings["max_num_seqs"] = max_num_seqs
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # SPMD on the worker group's process group; vLLM reads the rank from the
             # environment (each worker sees one device, its index 0, on GPUs).

@@ -11,6 +11,47 @@ from profiles.datafile import SpecError, from_mapping, read_mapping, require
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class RopeScaling:
+    """Llama-3.1's rotary frequency scaling (``rope_scaling`` with ``rope_type: llama3`` in a
+    Hugging Face config.json): wavelengths longer than original_max_position_embeddings /
+    low_freq_factor are stretched by ``factor``, those shorter than original /
+    high_freq_factor are kept, and the ones between are blended. Executor only: it changes
+    no cost."""
+
+    kind: Literal["llama3"] = "llama3"
+    """The scaling rule (``rope_type``); only Llama-3.1's is implemented."""
+    factor: float
+    """How much the long wavelengths are stretched (Llama-3.1: 8)."""
+    low_freq_factor: float
+    """Wavelengths above original / low_freq_factor are stretched fully (Llama-3.1: 1)."""
+    high_freq_factor: float
+    """Wavelengths below original / high_freq_factor are kept (Llama-3.1: 4)."""
+    original_max_position_embeddings: int
+    """The context the model was pre-trained with (Llama-3.1: 8192)."""
+
+    def __post_init__(self) -> None:
+        require(self.kind == "llama3", f"rope type {self.kind!r} is not implemented by the "
+                "executor (only llama3, Llama-3.1's)", "kind")
+        require(self.factor >= 1, f"must be at least 1, got {self.factor}", "factor")
+        require(self.high_freq_factor > self.low_freq_factor > 0,
+                "needs high_freq_factor > low_freq_factor > 0", "high_freq_factor")
+        require(self.original_max_position_embeddings > 0, "must be a positive integer",
+                "original_max_position_embeddings")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The ``rope_scaling`` mapping of a Hugging Face config.json."""
+        return {"rope_type": self.kind, "factor": self.factor,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+
+LLAMA_31_ROPE_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192)
+"""https://huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json (rope_scaling)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class MoESpec:
     """The mixture-of-experts MLP of a model's MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style):
     a router picks ``top_k`` of ``experts`` routed experts per token, beside ``shared_experts``
@@ -124,6 +165,11 @@ class ModelSpec:
     """Context window in tokens (informational; longer jobs get a warning)."""
     rope_theta: float = 10000.0
     """Rotary embedding base (executor only)."""
+    rope_scaling: RopeScaling | None = None
+    """Rotary frequency scaling (Llama-3.1; executor only)."""
+    qk_norm: bool = False
+    """An RMSNorm over every query and key head before the rotary embedding (Qwen3). Executor
+    only: its 2 x head_dim weights per layer are left out of the cost model."""
     norm_eps: float = 1e-5
     """Epsilon of the normalisation layers (executor only)."""
     moe: MoESpec | None = None
@@ -402,7 +448,8 @@ def _count_text(count: int) -> str:
 
 _IDENTITY_FIELDS = ("name", "layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "mlp",
                     "tied_embeddings", "head_dim", "qkv_bias", "linear_bias", "norm", "dropout",
-                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps", "moe", "mla")
+                    "learned_positions", "max_seq_len", "rope_theta", "norm_eps", "moe", "mla",
+                    "rope_scaling", "qk_norm")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,6 +527,30 @@ def hf_moe(config: dict[str, Any], source: str) -> MoESpec | None:
     return from_mapping(MoESpec, fields, source=source, key_prefix="moe")
 
 
+def hf_rope_scaling(config: dict[str, Any], source: str) -> RopeScaling | None:
+    """The rotary scaling of a Hugging Face config (``rope_scaling``, or transformers 5's
+    ``rope_parameters``): None for none or ``default``; Llama-3.1's ``llama3`` read; any other
+    kind refused, since the executor would run the model with the wrong positions."""
+    key = "rope_scaling" if config.get("rope_scaling") is not None else "rope_parameters"
+    mapping = config.get(key)
+    if mapping is None:
+        return None
+    if not isinstance(mapping, dict):
+        raise SpecError(f"expected a mapping, got {mapping!r}", key=key, source=source)
+    kind = mapping.get("rope_type", mapping.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise SpecError(f"rope type {kind!r} is not implemented (the executor runs default and "
+                        "llama3 rotary embeddings)", key=f"{key}.rope_type", source=source)
+    fields = {"kind": kind}
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        fields[name] = _hf_number(mapping, name, source)
+    fields["original_max_position_embeddings"] = _hf_int(
+        mapping, ("original_max_position_embeddings",), source)
+    return from_mapping(RopeScaling, fields, source=source, key_prefix=key)
+
+
 def from_hf_config(path: str | Path) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (Llama / Qwen2 / Mistral style keys).
 
@@ -528,6 +599,16 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         fields["max_seq_len"] = _hf_int(config, ("max_position_embeddings",), source)
     if "rope_theta" in config:
         fields["rope_theta"] = _hf_number(config, "rope_theta", source)
+    elif isinstance(config.get("rope_parameters"), dict) and \
+            "rope_theta" in config["rope_parameters"]:  # transformers 5 writes it there
+        fields["rope_theta"] = _hf_number(config["rope_parameters"], "rope_theta", source)
+    scaling = hf_rope_scaling(config, source)
+    if scaling is not None:
+        fields["rope_scaling"] = {k: getattr(scaling, k) for k in (
+            "kind", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings")}
+    if model_type in ("qwen3", "qwen3_moe"):
+        fields["qk_norm"] = True
     for eps_key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
         if eps_key in config:
             fields["norm_eps"] = _hf_number(config, eps_key, source)

@@ -7,21 +7,28 @@ from pathlib import Path
 from typing import Any
 
 from profiles.datafile import SpecError, did_you_mean, from_mapping, read_mapping
-from simulator.specs.model import MLASpec, ModelSpec, MoESpec, from_hf_config
+from simulator.specs.model import (
+    LLAMA_31_ROPE_SCALING,
+    MLASpec,
+    ModelSpec,
+    MoESpec,
+    from_hf_config,
+)
 
 
 def _llama(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int,
-           max_seq_len: int, tied: bool = False) -> ModelSpec:
+           max_seq_len: int, tied: bool = False, **executor_only: Any) -> ModelSpec:
     return ModelSpec(name=name, layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads,
                      kv_heads=kv, vocab=vocab, mlp="swiglu", tied_embeddings=tied,
-                     max_seq_len=max_seq_len)
+                     max_seq_len=max_seq_len, **executor_only)
 
 
 def _qwen2(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int,
            tied: bool, max_seq_len: int = 32768) -> ModelSpec:
+    # rope_theta 1e6 and rms_norm_eps 1e-6 in every Qwen2.5 config.json below.
     return ModelSpec(name=name, layers=layers, hidden=hidden, ffn_hidden=ffn, heads=heads,
                      kv_heads=kv, vocab=vocab, mlp="swiglu", tied_embeddings=tied,
-                     qkv_bias=True, max_seq_len=max_seq_len)
+                     qkv_bias=True, max_seq_len=max_seq_len, rope_theta=1e6, norm_eps=1e-6)
 
 
 def _megatron_gpt(name: str, layers: int, hidden: int, heads: int,
@@ -44,9 +51,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # https://huggingface.co/codellama/CodeLlama-34b-hf/blob/main/config.json
     "codellama-34b": _llama("codellama-34b", 48, 8192, 22016, 64, 8, 32000, 16384),
     # https://huggingface.co/meta-llama/Meta-Llama-3-8B/blob/main/config.json
-    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192),
+    "llama3-8b": _llama("llama3-8b", 32, 4096, 14336, 32, 8, 128256, 8192, rope_theta=5e5),
     # https://huggingface.co/meta-llama/Meta-Llama-3-70B/blob/main/config.json
-    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192),
+    "llama3-70b": _llama("llama3-70b", 80, 8192, 28672, 64, 8, 128256, 8192, rope_theta=5e5),
     # https://huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json
     "qwen2.5-0.5b": _qwen2("qwen2.5-0.5b", 24, 896, 4864, 14, 2, 151936, tied=True),
     # https://huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json
@@ -66,14 +73,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "qwen2.5-72b": _qwen2("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, tied=False,
                           max_seq_len=131072),
     # https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json (the
-    # architecture of Llama-3-8B; RoPE scaling aside, which costs nothing here).
-    "llama3.1-8b": _llama("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, 131072),
+    # architecture of Llama-3-8B, with rope_theta 5e5 and llama3 RoPE scaling, which cost
+    # nothing here but the executor runs).
+    "llama3.1-8b": _llama("llama3.1-8b", 32, 4096, 14336, 32, 8, 128256, 131072,
+                          rope_theta=5e5, rope_scaling=LLAMA_31_ROPE_SCALING),
     # https://huggingface.co/Qwen/Qwen3-8B/blob/main/config.json: 36 layers, hidden 4096,
     # intermediate 12288, 32 heads x head_dim 128, 8 KV heads, vocab 151936, untied, QK-norm and
     # no QKV bias.
     "qwen3-8b": ModelSpec(name="qwen3-8b", layers=36, hidden=4096, ffn_hidden=12288, heads=32,
                           kv_heads=8, head_dim=128, vocab=151936, mlp="swiglu",
-                          tied_embeddings=False, max_seq_len=40960),
+                          tied_embeddings=False, max_seq_len=40960, rope_theta=1e6,
+                          norm_eps=1e-6, qk_norm=True),
     # https://huggingface.co/deepseek-ai/deepseek-llm-7b-base/blob/main/config.json (the
     # architecture of DeepSeek LLM 7B, arXiv 2401.02954 Table 2): 30 layers, hidden 4096,
     # intermediate 11008, 32 heads (no grouping), vocab 102400, untied.
@@ -83,14 +93,15 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     # no QKV bias.
     "qwen3-32b": ModelSpec(name="qwen3-32b", layers=64, hidden=5120, ffn_hidden=25600,
                            heads=64, kv_heads=8, head_dim=128, vocab=151936, mlp="swiglu",
-                           tied_embeddings=False, max_seq_len=40960),
+                           tied_embeddings=False, max_seq_len=40960, rope_theta=1e6,
+                           norm_eps=1e-6, qk_norm=True),
     # Mixture of experts: huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
     # (num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, decoder_sparse_step
     # 1, mlp_only_layers []; 30.5B total, 3.3B activated per the model card).
     "qwen3-30b-a3b": ModelSpec(name="qwen3-30b-a3b", layers=48, hidden=2048, ffn_hidden=6144,
                                heads=32, kv_heads=4, head_dim=128, vocab=151936, mlp="swiglu",
                                tied_embeddings=False, max_seq_len=40960, rope_theta=1e6,
-                               norm_eps=1e-6,
+                               norm_eps=1e-6, qk_norm=True,
                                moe=MoESpec(experts=128, top_k=8, expert_ffn_hidden=768)),
     # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (128 experts, top 8,
     # moe_intermediate_size 1536; 235B total, 22B activated per the model card).
@@ -98,6 +109,7 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                                  ffn_hidden=12288, heads=64, kv_heads=4, head_dim=128,
                                  vocab=151936, mlp="swiglu", tied_embeddings=False,
                                  max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                                 qk_norm=True,
                                  moe=MoESpec(experts=128, top_k=8, expert_ffn_hidden=1536)),
     # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: 61 layers (the first 3
     # dense, intermediate 18432), hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512,

@@ -80,3 +80,27 @@ def test_training_layouts_give_the_losses_of_one_gpu(layout: str, single: dict,
     assert result["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
     for name, tensor in single["weights"].items():
         assert torch.allclose(result["weights"][name], tensor, atol=1e-4), name
+
+
+def test_the_last_stages_result_is_broadcast_from_a_device_buffer(monkeypatch) -> None:
+    """Issue 31 defect 3: with pp > 1 every other stage receives the last stage's log-probs
+    into a buffer on the worker's device (NCCL sends GPU tensors only), in fp32 on both sides;
+    it was a CPU tensor."""
+    import types
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    import executor.device as device
+    from executor.backends.megatron import MegatronTrainer
+
+    sent = []
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_group", lambda: "pp-group")
+    monkeypatch.setattr(ps, "get_pipeline_model_parallel_last_rank", lambda: 1)
+    monkeypatch.setattr(device, "worker_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(torch.distributed, "broadcast",
+                        lambda t, src, group: sent.append((t.device.type, t.dtype, src, group)))
+    owner = types.SimpleNamespace(par=types.SimpleNamespace(pp=2))
+    received = MegatronTrainer._broadcast_from_last_stage(owner, None, (3, 5))
+    assert received.shape == (3, 5)
+    assert sent == [("meta", torch.float32, 1, "pp-group")]
