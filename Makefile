@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: plan test test-engines engines bench accuracy docs clean
+.PHONY: plan test test-engines engines bench accuracy docs gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,5 +78,12 @@ docs: $(VENV)/.plan-installed
 accuracy: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/accuracy.py --out runs/accuracy
 
+# The GPU check kit (benchmarks/gpu_check.py) on one NVIDIA GPU, with the machine's own Python
+# and its preinstalled CUDA torch (no virtual environment, no Ray, no network); the table and
+# results.json go to gpu-check/. GPU_CHECK_ARGS="--device cpu" is the dry run CI runs.
+PYTHON ?= python3
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check --out gpu-check $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) hybridflow-report hybridflow-compare .pytest_cache .ruff_cache
+	rm -rf $(VENV) hybridflow-report hybridflow-compare gpu-check .pytest_cache .ruff_cache
