@@ -70,8 +70,8 @@ bench: $(VENV)/.test-installed
 # Executor runs of a grid of plans (3 repeats each), calibration on some, prediction error on
 # the others; writes runs/accuracy/ only (the shipped profile changes with
 # `benchmarks/accuracy.py --reuse --install`). The last line is the held-out accuracy JSON.
-# The README's command transcripts (<!-- transcript --> blocks) run again; stale lines are
-# rewritten with what the commands print now (tests/test_readme.py fails CI on a stale one).
+# The command transcripts of README.md and docs/ (<!-- transcript --> blocks) run again; stale
+# lines are rewritten with what the commands print now (tests/test_readme.py fails CI on one).
 docs: $(VENV)/.plan-installed
 	$(BIN)/python -m tests.readme_transcripts --write
 

@@ -71,7 +71,7 @@ DEFAULT_FIT = ("train_compute", "infer_compute", "prefill_compute", "decode")
 corrections, which the stage timers separate (training from the updates, forward passes from
 old_log_prob / ref / values / reward, generation from gen; prefill from decode only as far as
 prompt and response lengths vary between steps). Collectives and fixed costs scale the same
-stages as the kernels in one plan: fit them on logs of several plans (see the README)."""
+stages as the kernels in one plan: fit them on logs of several plans (see docs/calibration.md)."""
 
 IGNORED_TIMERS = frozenset({"testing", "save_checkpoint", "start_profile", "stop_profile",
                             "dump_rollout_generations", "generate_sequences"})

@@ -1,6 +1,6 @@
-"""The README's command transcripts, run again: ``python -m tests.readme_transcripts`` checks
-them (``make docs`` rewrites the stale lines), and ``tests/test_readme.py`` fails CI on a
-stale one.
+"""The command transcripts of the README and docs/, run again: ``python -m
+tests.readme_transcripts`` checks them (``make docs`` rewrites the stale lines), and
+``tests/test_readme.py`` fails CI on a stale one.
 
 A transcript is a fenced block right after a ``<!-- transcript -->`` line. In it, a line
 starting with ``$ hybridflow`` is a command (``\\`` continues it on the next line), run from the
@@ -25,6 +25,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = [README] + [ROOT / "docs" / name for name in (
+    "commands.md", "job-file.md", "plan-file.md", "search.md", "your-data.md", "executor.md",
+    "calibration.md", "simulator.md", "network-and-mixed-clusters.md", "async-modes.md",
+    "moe.md", "export-import.md", "paper-study.md", "frameworks.md", "validation.md",
+    "performance.md", "development.md", "gpu-clusters.md", "index.md")]
+"""The README and docs/, in the order their transcripts run (a later command may read what an
+earlier one wrote under runs/)."""
 MARK = "<!-- transcript -->"
 VOLATILE = [(re.compile(r"searched in [0-9.]+ s \(\d+ candidates\)"),
              "searched in ~ s (~ candidates)")]
@@ -125,27 +132,34 @@ def stale_lines(lines: list[str]) -> list[tuple[int, str, str | None]]:
 
 def main(argv: list[str]) -> int:
     write = "--write" in argv
-    lines = README.read_text(encoding="utf-8").splitlines()
-    stale = stale_lines(lines)
-    for index, quoted, fresh in stale:
-        print(f"README.md:{index + 1}: stale: {quoted.strip()}", file=sys.stderr)
-        print(f"README.md:{index + 1}:   now: {fresh.strip() if fresh else '(no such line)'}",
-              file=sys.stderr)
-        if write and fresh is not None:
-            indent = quoted[:len(quoted) - len(quoted.lstrip())]
-            lines[index] = fresh if fresh.startswith(indent) else indent + fresh.lstrip()
-    if write and stale:
-        temporary = README.with_name(".README.md.tmp")
-        temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        os.replace(temporary, README)
-        unresolved = sum(1 for _, _, fresh in stale if fresh is None)
-        print(f"rewrote {len(stale) - unresolved} stale line(s) of README.md"
-              + (f"; {unresolved} need a hand" if unresolved else ""), file=sys.stderr)
-        return 1 if unresolved else 0
-    if not stale:
-        print(f"README.md: every transcript line is what its command prints "
-              f"({sum(len(b) for b in transcripts(lines))} commands)", file=sys.stderr)
-    return 1 if stale else 0
+    status = 0
+    commands = 0
+    for document in DOCUMENTS:
+        name = document.relative_to(ROOT)
+        lines = document.read_text(encoding="utf-8").splitlines()
+        commands += sum(len(b) for b in transcripts(lines))
+        stale = stale_lines(lines)
+        for index, quoted, fresh in stale:
+            print(f"{name}:{index + 1}: stale: {quoted.strip()}", file=sys.stderr)
+            print(f"{name}:{index + 1}:   now: {fresh.strip() if fresh else '(no such line)'}",
+                  file=sys.stderr)
+            if write and fresh is not None:
+                indent = quoted[:len(quoted) - len(quoted.lstrip())]
+                lines[index] = fresh if fresh.startswith(indent) else indent + fresh.lstrip()
+        if write and stale:
+            temporary = document.with_name(f".{document.name}.tmp")
+            temporary.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            os.replace(temporary, document)
+            unresolved = sum(1 for _, _, fresh in stale if fresh is None)
+            print(f"rewrote {len(stale) - unresolved} stale line(s) of {name}"
+                  + (f"; {unresolved} need a hand" if unresolved else ""), file=sys.stderr)
+            status = max(status, 1 if unresolved else 0)
+        elif stale:
+            status = 1
+    if status == 0 and not write:
+        print(f"README.md and docs/: every transcript line is what its command prints "
+              f"({commands} commands)", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from profiles.device import load_profile
 
 SHIPPED = "cpu-2core-calibrated"
 REFIT = ("re-run `make accuracy`, then `.venv/bin/python benchmarks/accuracy.py --reuse "
-         "--install` (README: Measured, calibrated, honest)")
+         "--install` (docs/calibration.md)")
 
 
 def _accuracy_module():

@@ -82,8 +82,8 @@ def _verl_options(f: Any) -> Any:
         click.option("--verl-log", "verl_logs", multiple=True,
                      type=click.Path(dir_okay=False),
                      help="A verl run's per-step metrics: its console output or its file "
-                          "logger's JSON lines (repeatable; see README 'Calibrate from verl "
-                          "logs')."),
+                          "logger's JSON lines (repeatable; see docs/calibration.md "
+                          "'Calibrate from verl logs')."),
         click.option("--job", "--config", "verl_jobs", multiple=True,
                      type=click.Path(dir_okay=False),
                      help="The job file of the verl run (one for all logs or one per log)."),
@@ -116,7 +116,7 @@ def _all_runs(paths: tuple[str, ...], logs: tuple[str, ...], jobs: tuple[str, ..
               help="Where to write the calibrated profile (default: NAME-calibrated.yaml "
                    "next to the base profile).")
 @click.option("--fit", default=None,
-              help="Comma-separated parameters to fit (default: all; see the README).")
+              help="Comma-separated parameters to fit (default: all; see docs/calibration.md).")
 @click.option("--framework-out", "framework_output", type=click.Path(dir_okay=False),
               default=None,
               help="Where to write the framework profile when --fit names framework.* fixed "

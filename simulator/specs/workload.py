@@ -38,7 +38,7 @@ class Workload:
         default_factory=lambda: LengthDistribution.fixed(1024),
         metadata={"parse": parse_lengths},
     )
-    """Response length in tokens: an integer, or a distribution mapping (see README)."""
+    """Response length in tokens: an integer, or a distribution mapping (see docs/job-file.md)."""
     greedy_response_length: LengthDistribution | None = field(
         default=None, metadata={"parse": parse_lengths})
     """Lengths of greedy responses (ReMax's baseline), if they differ from
