@@ -18,6 +18,7 @@ during generation (distinct storages, so aliasing is counted once).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -126,20 +127,21 @@ class HybridEngine:
         synchronize()  # the clock starts when the previous operation's kernels are done
         start = time.perf_counter()
         received = 0
-        weights: dict[str, torch.Tensor] = {}
         training_bytes = sum(_bytes(p.to_local() if isinstance(p, DTensor) else p)
                              for p in self.trainer.model.parameters())
+        gathered = [0]  # bytes the whole tensors' all-gathers received
         if self.mode == "micro_dp":
             weights, received = self._micro_dp_weights()
+            self.engine.load(weights)
+        elif self.mode == "full" and self.backend == "vllm":
+            # One whole tensor at a time, made as vLLM reads it and dropped after: the whole
+            # model is never gathered on a GPU at once (issue 31 defect 4). Every rank's
+            # engine reads in the same order, so the all-gathers match.
+            self.engine.load(self._whole_tensors(gathered))
         else:
-            for name, param in self.trainer.model.named_parameters():
-                # Whole tensors in the compute dtype (FSDP's fp32 master shards cast first).
-                param = param.detach().to(self.trainer.dtype)
-                local = param.to_local() if isinstance(param, DTensor) else param
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                received += _bytes(full) - _bytes(local)
-                weights[name] = full if self.mode == "full" else self._naive(name, full)
-        self.engine.load(weights)
+            self.engine.load({name: full if self.mode == "full" else self._naive(name, full)
+                              for name, full in self._whole_tensors(gathered)})
+        received += gathered[0]
         synchronize()  # the all-gathers run asynchronously on GPUs
         seconds = time.perf_counter() - start
         return TransitionRecord(
@@ -147,6 +149,17 @@ class HybridEngine:
             generation_param_bytes=self.engine.weight_bytes(),
             peak_param_bytes_per_gpu=self._distinct_parameter_bytes(),
             training_param_bytes=training_bytes)
+
+    def _whole_tensors(self, received: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter whole, in the compute dtype (FSDP's fp32 master shards cast
+        first), gathered when asked for; adds the bytes each gather received to
+        ``received[0]``."""
+        for name, param in self.trainer.model.named_parameters():
+            param = param.detach().to(self.trainer.dtype)
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            received[0] += _bytes(full) - _bytes(local)
+            yield name, full
 
     def _naive(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's generation shard cut from a whole tensor (DeepSpeed-Chat style)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from profiles.datafile import SpecError
 from simulator.specs.model import ModelSpec, RopeScaling
@@ -189,6 +190,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.is_value_model = value_head
+        self.recompute_layers = False
+        """Keep only each layer's input through the forward and recompute the layer in the
+        backward (activation checkpointing: a plan's ``recompute: full``)."""
         self.model = Decoder(spec)
         if value_head:
             self.value_head = nn.Linear(spec.hidden, 1, bias=True)
@@ -215,7 +219,10 @@ class CausalLM(nn.Module):
         cos, sin = rotary_tables(positions, self.spec.head_dim_value, self.spec.rope_theta,
                                  x.dtype, self.spec.rope_scaling)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask)
+            if self.recompute_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor,

@@ -623,3 +623,102 @@ def test_a_gpu_torch_cannot_use_stops_the_worker_instead_of_running_on_cpu() -> 
     assert unusable_gpu_reason(["3"], cuda_available=False, driver_present=False) is None
     assert unusable_gpu_reason(["3"], cuda_available=True, driver_present=True) is None
     assert unusable_gpu_reason([], cuda_available=False, driver_present=True) is None
+
+
+STREAMED_UPDATE = """
+import json, sys, tempfile
+from collections.abc import Iterator
+from pathlib import Path
+import torch, torch.distributed as dist
+from executor.hybrid_engine import HybridEngine
+from executor.trainer import Trainer
+from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+store = Path(tempfile.mkdtemp()) / "rendezvous"
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+spec = MODEL_PRESETS["tiny-2l"]
+trainer = Trainer(spec, ParallelConfig(tp=1, dp=1, sequence_parallel=False), value_head=False,
+                  seed=0, trainable=True)
+hybrid = HybridEngine(trainer, GenerationConfig(tp=1), backend="vllm")
+seen = []
+
+def load(weights):
+    seen.append(isinstance(weights, Iterator))
+    for name, tensor in weights:
+        seen.append(name)
+
+hybrid.engine.load = load
+hybrid.to_generation()
+print(json.dumps({"seen": seen, "names": [n for n, _ in trainer.model.named_parameters()]}))
+dist.destroy_process_group()
+"""
+
+
+def test_vllm_receives_the_weights_one_whole_tensor_at_a_time() -> None:
+    """Issue 31 defect 4: the transition hands vLLM an iterator that gathers each whole
+    tensor as vLLM reads it, not a dict of the whole model gathered first (vLLM itself is not
+    needed: it is imported only when the engine starts)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", STREAMED_UPDATE], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["seen"][0] is True
+    assert result["seen"][1:] == result["names"]
+
+
+RECOMPUTE_STEP = """
+import json, tempfile
+from pathlib import Path
+import torch, torch.distributed as dist
+from executor.trainer import OptimConfig, Trainer
+from simulator.specs.parallel import ParallelConfig
+from simulator.specs.presets import MODEL_PRESETS
+
+store = Path(tempfile.mkdtemp()) / "rendezvous"
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+spec = MODEL_PRESETS["tiny-2l"]
+ids = torch.randint(0, spec.vocab, (4, 12), generator=torch.Generator().manual_seed(0))
+
+def loss_fn(model, batch):
+    loss = -model.token_log_probs(batch["input_ids"]).mean()
+    return loss, {"loss": loss.detach()}
+
+out = {}
+for recompute in ("none", "full"):
+    trainer = Trainer(spec, ParallelConfig(tp=1, dp=1, sequence_parallel=False,
+                                           recompute=recompute),
+                      value_head=False, seed=0, trainable=True, optim=OptimConfig(lr=1e-2))
+    saved = []
+    hook = lambda tensor: saved.append(tensor.numel()) or tensor
+    with torch.autograd.graph.saved_tensors_hooks(hook, lambda t: t):
+        loss = trainer.step([{"input_ids": ids[:2]}, {"input_ids": ids[2:]}], loss_fn)["loss"]
+    out[recompute] = {"loss": loss, "flag": trainer.model.recompute_layers,
+                      "saved": sum(saved),
+                      "weights": [p.detach().flatten()[:5].tolist()
+                                  for p in trainer.model.parameters()]}
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_full_recompute_checkpoints_the_layers_and_trains_the_same() -> None:
+    """Issue 31 defect 9: a plan's recompute: full runs as activation checkpointing in the
+    torch backend (it was ignored): fewer saved activations, the same loss and update."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", RECOMPUTE_STEP], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert runs["full"]["flag"] and not runs["none"]["flag"]
+    assert runs["full"]["saved"] < runs["none"]["saved"]
+    assert runs["full"]["loss"] == pytest.approx(runs["none"]["loss"], rel=1e-6)
+    for a, b in zip(runs["full"]["weights"], runs["none"]["weights"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-7)

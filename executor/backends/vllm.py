@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -161,27 +162,37 @@ class VLLMEngine:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _reload(self, items: list[tuple[str, torch.Tensor]]) -> None:
+    def _reload(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         self.llm.reset_prefix_cache()
 
     # ----- weights -----
 
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take whole tensors by Hugging Face name (a copy: vLLM keeps its own weights)."""
-        items = [(name, tensor) for name, tensor in weights.items()
-                 if not (self.spec.tied_embeddings and name == "lm_head.weight")]
+    def load(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+             ) -> None:
+        """Take whole tensors by Hugging Face name (a copy: vLLM keeps its own weights): a
+        mapping, or (name, tensor) pairs that vLLM consumes one at a time, so that a tensor
+        made for it (the 3D-HybridEngine's all-gather) can go before the next one is made."""
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        self.loaded_bytes = 0
+
+        def items() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in pairs:
+                if self.spec.tied_embeddings and name == "lm_head.weight":
+                    continue
+                self.loaded_bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
         if self.llm is None:
             self._start()
         if self.asleep:
             # Level 2 dropped the weights: map their memory, overwrite it, then the KV cache.
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
-        self._reload(items)
+        self._reload(items())
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.loaded_bytes = sum(t.numel() * t.element_size() for _, t in items)
 
     def unload(self) -> None:
         """Free the engine's memory between generations where the platform can (GPUs: sleep
