@@ -50,6 +50,9 @@ def _mostly_idle(job: JobSpec, best: Evaluated) -> str:
         return ""
     sets = ", ".join(f"{label} {fraction:.0%}" for label, fraction in fractions.items())
     unused = f"; {cluster - used} of the {cluster} GPUs hold no model" if used < cluster else ""
+    if cluster == 1:  # no smaller cluster to suggest: the time goes outside the GPU
+        return (f"the GPU is idle {idle:.0%} of the iteration: the work outside it (the "
+                "controller's calls and computation) takes most of the time")
     return (f"the cluster's GPUs are idle {idle:.0%} of the iteration (idle per set: "
             f"{sets}{unused}): a smaller cluster (--gpus) may run it as fast, or one model "
             "holds up the others")

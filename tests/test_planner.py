@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,7 @@ from planner.search import Search, SearchOptions, brute_force, search
 from planner.space import SpaceOptions, pack, placements, set_partitions, set_sizes
 from simulator.engine import iteration_seconds, simulate
 from simulator.predict import estimate_plan
-from simulator.specs.job import JobSpec, RolePin, default_job, job_from_mapping
+from simulator.specs.job import JobSpec, RolePin, default_job, job_from_mapping, load_job
 from simulator.specs.presets import MODEL_PRESETS
 
 
@@ -338,6 +339,11 @@ def test_plans_worth_a_second_look_get_a_warning() -> None:
     small_job = job_from_mapping(small)
     [idle] = plan_warnings(small_job, plan_job(small_job).best)
     assert "GPUs are idle" in idle and "of the 32 GPUs hold no model" in idle
+    # One GPU: there is no smaller cluster to suggest.
+    one = load_job(Path(__file__).resolve().parents[1] / "planner" / "examples"
+                   / "tiny-grpo-cpu.yaml")
+    [single] = plan_warnings(one, plan_job(one).best)
+    assert "the GPU is idle" in single and "smaller cluster" not in single
 
 
 def test_the_accuracy_banner_shows_the_validation_groups_of_the_jobs_kind(tmp_path) -> None:
