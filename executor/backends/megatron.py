@@ -312,7 +312,11 @@ def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: 
     def row(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(tp, dim=1)[tp_rank]
 
-    values: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters())
+    # Each tensor goes into its parameter as soon as it is made, so the host holds one whole
+    # fp32 tensor at a time (one MoE layer's experts at most), not the stage's (issue 31
+    # defect 3: ~13 GB per rank for a 7B).
+    values = _CopyInto(params)
     norm_parts = ("weight", "bias") if spec.norm == "layernorm" else ("weight",)
     gated = spec.mlp == "swiglu"
     if model.pre_process:
@@ -358,13 +362,27 @@ def import_hf(model: Any, hf: Mapping[str, torch.Tensor], spec: ModelSpec, par: 
         elif not model.pre_process:
             # A tied head on the last stage keeps its own copy of the embedding.
             values["output_layer.weight"] = column(hf["model.embed_tokens.weight"])
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(values))
+    missing = sorted(set(params) - values.filled)
     if missing:
         raise KeyError(f"no Hugging Face weights for {missing}")
-    with torch.no_grad():
+
+
+class _CopyInto:
+    """``import_hf``'s target: a tensor assigned to a Megatron name is copied into that
+    parameter at once (and dropped by the caller), its name recorded."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]):
+        self.params = params
+        self.filled: set[str] = set()
+
+    @torch.no_grad()
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self.params[name].copy_(tensor.to(self.params[name].dtype))
+        self.filled.add(name)
+
+    def update(self, values: Mapping[str, torch.Tensor]) -> None:
         for name, tensor in values.items():
-            params[name].copy_(tensor.to(params[name].dtype))
+            self[name] = tensor
 
 
 def _moe_values(spec: ModelSpec, par: ParallelConfig, hf: Mapping[str, torch.Tensor], p: str,
