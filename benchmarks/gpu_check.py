@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from profiles.device import DeviceProfile, load_profile  # noqa: E402
-from simulator.specs.model import LLAMA_31_ROPE_SCALING, ModelSpec, RopeScaling  # noqa: E402
+from simulator.specs.model import ModelSpec, RopeScaling  # noqa: E402
 from simulator.specs.parallel import GenerationConfig, ParallelConfig  # noqa: E402
 from simulator.specs.presets import MODEL_PRESETS  # noqa: E402
 
@@ -99,7 +99,6 @@ TINY_LLAMA31 = ModelSpec(name="tiny-llama3.1", layers=2, hidden=64, ffn_hidden=1
                              original_max_position_embeddings=16))
 GPU_MODELS = (MODEL_PRESETS["qwen2.5-0.5b"], MODEL_PRESETS["qwen2.5-1.5b"], LLAMA_32_1B)
 CPU_MODELS = (TINY_QWEN2, TINY_LLAMA31)
-assert LLAMA_31_ROPE_SCALING.kind == LLAMA_32_1B.rope_scaling.kind  # one implemented kind
 
 
 @dataclass
@@ -178,10 +177,6 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def allocated_bytes(device: str) -> float | str:
-    return float(torch.cuda.memory_allocated()) if device == "cuda" else "n/a (CPU)"
-
-
 def peak_bytes(device: str) -> float | str:
     return float(torch.cuda.max_memory_allocated()) if device == "cuda" else "n/a (CPU)"
 
@@ -215,7 +210,7 @@ def check_model(spec: ModelSpec, work: Workload, profile: DeviceProfile, device:
     par = ParallelConfig(tp=1, dp=1, sharding="none", sequence_parallel=False,
                          recompute="none", micro_batch_size=work.micro_batch)
     reset_peak(device)
-    before = allocated_bytes(device)
+    before = float(torch.cuda.memory_allocated()) if device == "cuda" else 0.0
     trainer = Trainer(spec, par, value_head=False, seed=0, trainable=True,
                       optim=OptimConfig(lr=1e-6), dtype=dtype)
     weight = next(trainer.model.parameters())
@@ -228,7 +223,7 @@ def check_model(spec: ModelSpec, work: Workload, profile: DeviceProfile, device:
     resident = predicted.memory.total - predicted.memory.activations
     if device == "cuda":
         report.add(Check(name, "resident training state (weights, master, Adam, grads)",
-                         float(torch.cuda.memory_allocated()) - float(before), resident, "bytes"))
+                         float(torch.cuda.memory_allocated()) - before, resident, "bytes"))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec.vocab, (work.train_sequences, work.seq_len),
                         generator=generator).to(weight.device)
