@@ -173,7 +173,7 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
                         "the actor's training GPUs only)", key="backends.actor.generation")
     checkpoints = effective_checkpoints(job, options)
     check_checkpoints(job, checkpoints)
-    task = prepare_task(job, options, checkpoints, chosen_backends)
+    task = prepare_task(job, options, checkpoints)
     max_new_tokens = response_cap(job, task)
     for role in job.gpu_roles:
         rp = plan.roles[role]
@@ -301,8 +301,8 @@ def response_cap(job: JobSpec, task: Any) -> int:
     return longest
 
 
-def prepare_task(job: JobSpec, options: ExecutionOptions, checkpoints: dict[str, str],
-                 backends: dict[str, tuple[str, str]]) -> Any:
+def prepare_task(job: JobSpec, options: ExecutionOptions,
+                 checkpoints: dict[str, str]) -> Any:
     """The built-in task, or the job's data: the tokenizer found and checked against every
     model's, the files read and tokenized (errors name the file and row)."""
     if job.data is None:
@@ -319,11 +319,6 @@ def prepare_task(job: JobSpec, options: ExecutionOptions, checkpoints: dict[str,
         raise SpecError("a reward model for your data must start from its trained weights: "
                         "give its checkpoint directory (models.reward: DIR or --checkpoint "
                         "reward=DIR)", key="models.reward")
-    megatron = [r for r, (training, _) in backends.items() if training == "megatron"]
-    if megatron:
-        raise SpecError(f"prompts of different lengths are left-padded, which the Megatron "
-                        f"backend does not take yet; train {', '.join(megatron)} with the "
-                        "torch backend (backends: {role: {training: torch}})", key="data")
     directory = job.data.tokenizer
     if directory is None:
         actor = checkpoints.get("actor")

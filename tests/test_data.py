@@ -252,8 +252,6 @@ def test_a_model_given_as_a_checkpoint_directory_brings_weights_and_tokenizer(
     ({"reward_function": None}, {}, "data", "give reward_function"),
     ({"models": {"actor": "tiny-2l", "ref": "tiny-2l", "reward": "tiny-2l"},
       "reward_function": None}, {}, "models.reward", "must start from its trained weights"),
-    ({"backends": {"actor": {"training": "megatron"}}}, {}, "data",
-     "the Megatron backend does not take yet"),
     ({}, {"validate_every": 2}, "--validate-every", "give data.val_files"),
 ])
 def test_jobs_the_data_cannot_run_are_refused_before_workers_start(

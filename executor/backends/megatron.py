@@ -56,7 +56,22 @@ def transformer_config(spec: ModelSpec, par: ParallelConfig, *,
         use_cpu_initialization=False, perform_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, deallocate_pipeline_outputs=False)
+        apply_rope_fusion=False, deallocate_pipeline_outputs=False,
+        **recompute_config(par.recompute))
+
+
+def recompute_config(recompute: str) -> dict[str, Any]:
+    """Megatron's activation-recompute settings for the plan's ``recompute`` (issue 31
+    defect 3), as the planner prices it (simulator/costs/training.py): ``selective``
+    recomputes the attention core only (Megatron's ``core_attn`` module, so the local layer
+    spec's s x s attention probabilities are not kept for the backward), ``full`` every
+    layer from its input (uniform method, one layer per checkpoint), ``none`` nothing."""
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}
+    return {}
 
 
 MOE_TOKEN_DISPATCHER = "alltoall"
@@ -597,23 +612,44 @@ class _Computed:
 
     def token_log_probs(self, input_ids: torch.Tensor,
                         attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _no_padding(attention_mask)
+        # The schedule computed them under the micro-batch's own mask (``_run``).
         self._check(input_ids, self._log_probs, "log-probs")
         return self._log_probs  # type: ignore[return-value]
 
     def token_values(self, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        _no_padding(attention_mask)
         self._check(input_ids, self._values, "values")
         return self._values  # type: ignore[return-value]
 
 
-def _no_padding(attention_mask: torch.Tensor | None) -> None:
-    """The Megatron backend runs sequences without padding masks (the executor refuses jobs
-    with left-padded prompts on it before any worker starts)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("the Megatron backend does not take left-padded prompts "
-                                  "(data: jobs); train this role with the torch backend")
+def left_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Pad tokens at the start of each row (batch,), or None when no row is padded.
+    ``attention_mask`` is 0 on the prompts' left padding only (executor/roles.py)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return (attention_mask == 0).sum(dim=1)
+
+
+def to_right_padded(input_ids: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """Each row's real tokens moved to its start and its ``pads`` pad tokens to its end.
+    Under a causal mask a right-padded row computes at its real positions exactly what the
+    left-padded one computes with the torch model's padding mask: no real token sees a pad,
+    and positions count from the first real token (executor/model.py ``padded_positions``).
+    This is how the Megatron backend takes prompt data without an attention mask."""
+    tokens = input_ids.shape[1]
+    index = (torch.arange(tokens, device=input_ids.device) + pads[:, None]) % tokens
+    return input_ids.gather(1, index)
+
+
+def to_left_padded(output: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """Per-position results (batch, width) of right-padded rows put back at their
+    left-padded positions; the positions of the pads hold 0 (every loss masks them)."""
+    width = output.shape[1]
+    positions = torch.arange(width, device=output.device)
+    source = positions - pads[:, None]
+    valid = source >= 0
+    moved = output.gather(1, source.clamp(min=0))
+    return torch.where(valid, moved, torch.zeros((), dtype=output.dtype, device=output.device))
 
 
 class MegatronTrainer:
@@ -713,19 +749,26 @@ class MegatronTrainer:
         def forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
             batch = next(data)
             ids = batch["input_ids"]
+            # Left-padded prompts (data: jobs) run right-padded under the causal mask.
+            pads = left_padding(batch.get("attention_mask"))
+            if pads is not None:
+                ids = to_right_padded(ids, pads)
             padded = torch.nn.functional.pad(ids, (0, pad)) if pad else ids
             positions = torch.arange(padded.shape[1], device=ids.device).expand_as(padded)
             output = model(padded, positions, attention_mask=None)
+
+            def back(result: torch.Tensor) -> torch.Tensor:
+                return result if pads is None else to_left_padded(result, pads)
 
             def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
                 output_tensor = output_tensor[:, :seq]
                 if value_head:
                     values = output_tensor.squeeze(-1).float()
-                    return on_output(batch, None, values)
+                    return on_output(batch, None, back(values))
                 logits = output_tensor[:, :-1].transpose(0, 1).contiguous().float()
                 targets = ids[:, 1:].transpose(0, 1).contiguous()
                 log_probs = -vocab_parallel_cross_entropy(logits, targets).transpose(0, 1)
-                return on_output(batch, log_probs, None)
+                return on_output(batch, back(log_probs), None)
             return output, loss
 
         chunks = self.chunks
@@ -766,8 +809,9 @@ class MegatronTrainer:
               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         from megatron.core import parallel_state as ps
 
-        _no_padding(attention_mask)
-        parts = [{"input_ids": input_ids[s:s + micro]}
+        parts = [{"input_ids": input_ids[s:s + micro]} if attention_mask is None else
+                 {"input_ids": input_ids[s:s + micro],
+                  "attention_mask": attention_mask[s:s + micro]}
                  for s in range(0, len(input_ids), micro)]
         results: list[torch.Tensor] = []
 

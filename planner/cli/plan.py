@@ -102,9 +102,9 @@ def _search_flags(f: Any) -> Any:
     f = click.option("--backend", type=click.Choice(["any", "megatron", "fsdp", "simulated"]),
                      default="any", show_default=True,
                      help="Layouts to search: any = what the installed executor backends run "
-                          "(torch FSDP2, and Megatron-core when installed unless the job has "
-                          "data:); megatron or fsdp alone; simulated = every layout the "
-                          "simulator prices, executable or not (e.g. generation pp > 1).")(f)
+                          "(torch FSDP2, and Megatron-core when installed); megatron or fsdp "
+                          "alone; simulated = every layout the simulator prices, executable "
+                          "or not (e.g. generation pp > 1).")(f)
     return click.option("--top", "top", type=click.IntRange(min=1), default=5,
                         show_default=True, help="Plans to keep in the ranking.")(f)
 

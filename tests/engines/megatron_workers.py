@@ -92,11 +92,53 @@ def log_probs_and_round_trip(rank: int, world: int, port: int, tp: int, pp: int,
     dist.destroy_process_group()
 
 
+def left_padded_log_probs(rank: int, world: int, port: int, tp: int, pp: int, out: str,
+                          value_head: bool = False) -> None:
+    """Log-probs (or values) of left-padded rows through MegatronTrainer, with sequence
+    parallelism, against the torch model's on the same weights and padding mask; one
+    micro-batch of 3 rows (the schedule pads the sequence to a multiple of tp)."""
+    setup(rank, world, port, tp, pp)
+    from executor.backends.megatron import MegatronTrainer
+    from executor.model import build_model
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
+    spec = MODEL_PRESETS["tiny-4l"]
+    par = ParallelConfig(tp=tp, pp=pp, dp=world // (tp * pp), sequence_parallel=tp > 1)
+    trainer = MegatronTrainer(spec, par, value_head=value_head, seed=0, trainable=False)
+    ids = torch.randint(1, spec.vocab, (3, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 4, 7)):
+        ids[row, :pads] = 0
+        mask[row, :pads] = 0
+    computed = trainer.infer(ids, 3, values=value_head, attention_mask=mask)
+    if rank == world - 1:
+        reference = build_model(spec, value_head=value_head, seed=0)
+        with torch.no_grad():
+            if value_head:
+                expected = reference(ids, mask).float()
+                real = mask.bool()
+            else:
+                expected = torch.log_softmax(reference(ids, mask)[:, :-1].float(), -1).gather(
+                    -1, ids[:, 1:, None]).squeeze(-1)
+                # Positions predicting a real token from a real one (the first real token
+                # has no prediction: what a pad position computes is masked everywhere).
+                real = (mask[:, 1:] * mask[:, :-1]).bool()
+        Path(out).write_text(json.dumps({
+            "max_error": float((computed - expected)[real].abs().max()),
+            "shape_equal": list(computed.shape) == list(expected.shape),
+            "pads_zero": bool((computed[~real] == 0).all())}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int,
-                    sharding: str, out: str, sequence_parallel: bool = False) -> None:
+                    sharding: str, out: str, sequence_parallel: bool = False,
+                    recompute: str = "selective") -> None:
     """Three optimizer steps of a token log-likelihood loss on a fixed global batch (each
-    data-parallel rank takes its share, 2 micro-batches each); the losses and the final
-    weights (Hugging Face names) from the last rank."""
+    data-parallel rank takes its share, 2 micro-batches each), with the plan's activation
+    ``recompute``; the losses and the final weights (Hugging Face names) from the last
+    rank."""
     setup(rank, world, port, tp, pp, vpp)
     from megatron.core import parallel_state as ps
 
@@ -109,9 +151,15 @@ def training_losses(rank: int, world: int, port: int, tp: int, pp: int, vpp: int
     dp = world // (tp * pp)
     par = ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, sharding=sharding,
                          sequence_parallel=sequence_parallel, overlap_grad_reduce=False,
-                         overlap_param_gather=False)
+                         overlap_param_gather=False, recompute=recompute)
     trainer = MegatronTrainer(spec, par, value_head=False, seed=0, trainable=True,
                               optim=OptimConfig(lr=1e-3))
+    config = trainer.config
+    if rank == 0:
+        # The layout's recompute reaches Megatron's config (checked in the test).
+        Path(out + ".recompute").write_text(json.dumps(
+            [config.recompute_granularity, config.recompute_method, config.recompute_modules]))
+
     def loss_fn(model, batch):
         log_probs = model.token_log_probs(batch["input_ids"])
         loss = -log_probs.mean()

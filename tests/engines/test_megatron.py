@@ -38,28 +38,57 @@ def test_layouts_compute_the_torch_models_log_probs_and_export_its_weights(
     assert result["round_trip_exact"] and result["missing"] == []
 
 
+@pytest.mark.parametrize(("tp", "pp", "value_head"), [(2, 2, False), (2, 1, True)])
+def test_left_padded_prompts_compute_what_the_torch_model_computes_with_its_mask(
+        tp: int, pp: int, value_head: bool, tmp_path: Path) -> None:
+    """Issue 31 defect 3: jobs with prompt data (left-padded prompts) run on Megatron, whose
+    schedule moves each row's pads to its end; every position that predicts a real token
+    matches the torch model under its padding mask."""
+    out = tmp_path / "result.json"
+    mp.start_processes(megatron_workers.left_padded_log_probs,
+                       args=(tp * pp, free_port(), tp, pp, str(out), value_head),
+                       nprocs=tp * pp, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result["shape_equal"] and result["pads_zero"]
+    assert result["max_error"] < LOG_PROB_TOLERANCE
+
+
 TRAINING_LAYOUTS = {
     "tp2": (2, 1, 1, "none", 2), "pp2": (1, 2, 1, "none", 2), "tp2xpp2": (2, 2, 1, "none", 4),
     "dp2-distributed-optimizer": (1, 1, 1, "optimizer", 2), "pp2-vpp2": (1, 2, 2, "none", 2),
     "tp2-sequence-parallel": (2, 1, 1, "none", 2, True),
     "tp2xpp2-sequence-parallel": (2, 2, 1, "none", 4, True),
+    # Activation recompute (issue 31 defect 3): the same losses, the memory traded for time.
+    "tp2-recompute-full": (2, 1, 1, "none", 2, False, "full"),
+    "pp2-recompute-none": (1, 2, 1, "none", 2, False, "none"),
 }
+RECOMPUTE_SETTINGS = {
+    "selective": ["selective", None, ["core_attn"]],
+    "full": ["full", "uniform", ["core_attn"]],
+    "none": [None, None, ["core_attn"]],
+}
+"""Megatron's (recompute_granularity, recompute_method, recompute_modules) per plan setting
+(recompute_modules defaults to core_attn and is read only when the granularity is
+selective)."""
 LOSS_TOLERANCE = 1e-4
 """fp32 losses of 3 Adam steps at lr 1e-3: the layouts reduce in different orders, and Adam's
 first steps (update ~ sign of the gradient) amplify those last-bit differences (seen: 3e-5)."""
 
 
 def train(tmp_path: Path, tp: int, pp: int, vpp: int, sharding: str, world: int,
-          sequence_parallel: bool = False) -> dict:
-    out = tmp_path / f"tp{tp}-pp{pp}-vpp{vpp}-{sharding}-{world}-{sequence_parallel}.json"
+          sequence_parallel: bool = False, recompute: str = "selective") -> dict:
+    out = tmp_path / (f"tp{tp}-pp{pp}-vpp{vpp}-{sharding}-{world}-{sequence_parallel}-"
+                      f"{recompute}.json")
     mp.start_processes(megatron_workers.training_losses,
                        args=(world, free_port(), tp, pp, vpp, sharding, str(out),
-                             sequence_parallel),
+                             sequence_parallel, recompute),
                        nprocs=world, start_method="spawn")
     import torch
 
     result = json.loads(out.read_text())
     result["weights"] = torch.load(str(out) + ".pt")
+    result["recompute"] = json.loads(Path(str(out) + ".recompute").read_text())
+    assert result["recompute"] == RECOMPUTE_SETTINGS[recompute]
     return result
 
 

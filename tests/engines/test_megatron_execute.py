@@ -233,3 +233,48 @@ def test_a_resumed_megatron_run_ends_with_the_uninterrupted_runs_weights(
     for mine, theirs in zip(half, whole, strict=True):
         for key in COMPARED:
             assert mine[key] == theirs[key], key
+
+
+def test_grpo_on_prompt_data_with_megatron_training_matches_the_torch_backend(
+        tmp_path: Path) -> None:
+    """Issue 31 defect 3: a job with its own prompt data (prompts of different lengths,
+    left-padded) trains on Megatron (tp 2 x pp 2 is the CPU's limit of two workers: tp 2),
+    each row run right-padded, and its metrics are the torch backend's on the same prompts."""
+    from tests.dataset_fixtures import addition_rows, make_tokenizer, write_jsonl
+
+    write_jsonl(tmp_path / "train.jsonl", addition_rows(4))
+    # A reward that varies between a prompt's samples, so GRPO's advantages are not zero.
+    (tmp_path / "score.py").write_text(
+        "def compute_score(prompt, response, row):\n    return float(len(response.split()))\n")
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+
+    def run(backend: str) -> list[dict]:
+        job = tmp_path / f"job-{backend}.json"
+        job.write_text(json.dumps({
+            "algorithm": "grpo", "models": {"actor": "tiny-2l", "ref": "tiny-2l",
+                                            "reward": "rule"},
+            "cluster": {"nodes": 1, "gpus_per_node": 2},
+            "backends": {"actor": {"training": backend}, "ref": {"training": backend}},
+            "workload": {"samples_per_prompt": 2, "prompts_per_iteration": 2,
+                         "mini_batches_per_epoch": 1, "prompt_length": 16,
+                         "response_length": 4, "dtype": "fp32"},
+            "reward_function": {"path": str(tmp_path / "score.py")},
+            "data": {"train_files": str(tmp_path / "train.jsonl"),
+                     "tokenizer": str(tokenizer)}}))
+        layout = _layout(tp=2, dp=1, sharding="none")
+        plan = tmp_path / f"plan-{backend}.json"
+        plan.write_text(json.dumps({
+            "format": "hybridflow-plan", "version": 1, "algorithm": "grpo",
+            "sets": [{"roles": ["actor", "ref"], "gpus": 2, "first_gpu": 0}],
+            "roles": {"actor": {"parallel": layout, "generation": {"tp": 2},
+                                "training_backend": backend},
+                      "ref": {"parallel": layout, "training_backend": backend}}}))
+        return _execute(plan, job, tmp_path / backend, backend == "megatron")
+
+    megatron, reference = run("megatron"), run("torch")
+    assert _backends(tmp_path / "megatron")["actor.train"] == "megatron"
+    assert any(float(m["actor_grad_norm"]) > 0 for m in reference)
+    for mine, theirs in zip(megatron, reference, strict=True):
+        for key in ("actor_policy_loss", "actor_grad_norm", "response_tokens"):
+            assert float(mine[key]) == pytest.approx(float(theirs[key]), rel=METRIC_TOLERANCE,
+                                                     abs=METRIC_ABSOLUTE), key
