@@ -24,7 +24,8 @@ from pathlib import Path
 
 import ray
 
-from executor.run import ExecutionOptions, execute
+from executor.run import ExecutionOptions
+from executor.session import execute
 from planner.calibration import accuracy, calibrate, load_run
 from profiles.datafile import SpecError
 from profiles.device import load_profile, write_profile_file

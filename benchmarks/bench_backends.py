@@ -18,7 +18,8 @@ from pathlib import Path
 import pandas as pd
 import ray
 
-from executor.run import ExecutionOptions, execute
+from executor.run import ExecutionOptions
+from executor.session import execute
 from simulator.plan import ColocatedSet, Plan, RolePlan
 from simulator.specs.job import job_from_mapping
 from simulator.specs.parallel import GenerationConfig, ParallelConfig

@@ -16,7 +16,8 @@ import torch
 from executor.batch import Batch
 from executor.controller import RoleHandle, WorkerGroup
 from executor.protocols import RankLayout
-from executor.run import ExecutionOptions, execute, role_configs
+from executor.run import ExecutionOptions, role_configs
+from executor.session import execute
 from executor.task import SortDigits
 from simulator.plan import ColocatedSet, Plan, RolePlan
 from simulator.specs.job import job_from_mapping

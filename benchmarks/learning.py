@@ -22,7 +22,8 @@ from pathlib import Path
 import ray
 
 from executor.algorithms import RLConfig
-from executor.run import ExecutionOptions, execute
+from executor.run import ExecutionOptions
+from executor.session import execute
 from simulator.plan import ColocatedSet, Plan, RolePlan
 from simulator.specs.job import JobSpec, job_from_mapping
 from simulator.specs.parallel import GenerationConfig, ParallelConfig

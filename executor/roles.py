@@ -10,7 +10,7 @@ earlier stages added (``old_log_probs``, ``ref_log_probs``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -357,7 +357,11 @@ def sample(engine: Any, config: RoleConfig, replica: int, batch: Batch) -> Batch
     prompt_mask = batch.get("prompt_mask", None)
     out = engine.generate(batch["prompts"], sampling, generator, prompt_mask=prompt_mask)
     prompts = batch["prompts"]
-    steps = out.responses.shape[1]
+    # Responses come padded to max_new_tokens; every later pass runs on the replica's longest
+    # one (issue 31 defect 9). Under the causal mask the cut columns changed nothing before
+    # them, and Batch.concat pads replicas of different widths back to one.
+    steps = max(1, int(out.lengths.max()))
+    out = replace(out, responses=out.responses[:, :steps], log_probs=out.log_probs[:, :steps])
     mask = (torch.arange(steps, device=out.lengths.device)[None]
             < out.lengths[:, None]).float()
     tensors = {"prompts": prompts, "responses": out.responses,

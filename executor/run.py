@@ -383,22 +383,6 @@ def check_megatron_device(chosen_backends: dict[str, tuple[str, str]],
                         key=f"backends.{megatron[0]}.training")
 
 
-def check_plan(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
-    """``execute --dry-run``: every check ``execute`` makes before a worker starts (the
-    engines installed, each role's layout, the data and checkpoints, the run directory), and
-    what the run would start, without starting Ray. Raises SpecError."""
-    from executor.session import RunSession
-
-    session = RunSession(job, plan, options)
-    return {"algorithm": job.algorithm, "mode": plan.mode, "gpus": plan_gpus(plan),
-            "placement": plan.placement,
-            "roles": {role: {"training": training, "generation": generation,
-                             "gpus": plan.roles[role].parallel.world_size}
-                      for role, (training, generation) in session.backends.items()},
-            "prompts": "the built-in digit-sorting task" if job.data is None else
-            f"{len(session.task.train)} prompts of the job's data"}
-
-
 def effective_backends(job: JobSpec, plan: Plan) -> dict[str, tuple[str, str]]:
     """role -> (training backend, generation backend): the job's ``backends:`` where it says,
     else the plan's training backend and native generation."""
@@ -544,12 +528,3 @@ def _python_path() -> list[str]:
     root = str(Path(__file__).resolve().parents[1])
     current = os.environ.get("PYTHONPATH", "")
     return [root, *[p for p in current.split(os.pathsep) if p]]
-
-
-def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
-    """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm (from a saved
-    checkpoint with ``options.resume``): checks everything before a worker starts, then
-    drives the controller's program (``executor.session``)."""
-    from executor.session import RunSession
-
-    return RunSession(job, plan, options).run()

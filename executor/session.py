@@ -20,6 +20,9 @@ meets.
   a restore, and after every update (``executor.drivers``). A resumed one-step-off run
   generates its first batch after the checkpoint with the restored weights (the
   uninterrupted run had it in flight with the weights one update older).
+
+``execute`` and ``check_plan`` (``execute --dry-run``) are the entry points; the checks and
+options they use live in ``executor.run``, which imports nothing from here.
 """
 
 from __future__ import annotations
@@ -589,3 +592,24 @@ class RunSession:
                 self.handles[role].save_hf(Batch(meta={
                     "directory": str(directory), "files": self.tokenizer_files})).result()
         self.records.clear()
+
+
+def check_plan(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:
+    """``execute --dry-run``: every check ``execute`` makes before a worker starts (the
+    engines installed, each role's layout, the data and checkpoints, the run directory), and
+    what the run would start, without starting Ray. Raises SpecError."""
+    session = RunSession(job, plan, options)
+    return {"algorithm": job.algorithm, "mode": plan.mode, "gpus": plan_gpus(plan),
+            "placement": plan.placement,
+            "roles": {role: {"training": training, "generation": generation,
+                             "gpus": plan.roles[role].parallel.world_size}
+                      for role, (training, generation) in session.backends.items()},
+            "prompts": "the built-in digit-sorting task" if job.data is None else
+            f"{len(session.task.train)} prompts of the job's data"}
+
+
+def execute(job: JobSpec, plan: Plan, options: ExecutionOptions) -> RunResult:
+    """Run ``plan`` for ``options.steps`` iterations of ``job``'s algorithm (from a saved
+    checkpoint with ``options.resume``): checks everything before a worker starts, then
+    drives the controller's program (``RunSession``)."""
+    return RunSession(job, plan, options).run()

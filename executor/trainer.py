@@ -13,6 +13,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import checkpoint
 
 from executor.device import shared_mesh, worker_device
 from executor.model import CausalLM, InitialWeights, materialise
@@ -168,6 +170,77 @@ class OptimConfig:
     """Maximum global gradient norm (0: no clipping)."""
 
 
+LOG_PROB_CHUNK_ROWS = 1024
+"""Token positions whose log-softmax over the vocabulary is computed in fp32 at once: with a
+152k vocabulary, 1024 positions are 0.6 GB of fp32 transients however long the batch."""
+
+
+def _chunk_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) for rows of logits (rows, vocab), in fp32: the target's logit minus
+    the log of the partition function."""
+    wide = logits.float()
+    return wide.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(wide, dim=-1)
+
+
+def gathered_log_probs(logits: torch.Tensor, targets: torch.Tensor,
+                       chunk_rows: int = LOG_PROB_CHUNK_ROWS) -> torch.Tensor:
+    """log p(targets) (batch, tokens) in fp32 from logits (batch, tokens, vocab) in the
+    compute dtype, ``chunk_rows`` positions at a time (issue 31 defect 9: a whole
+    ``log_softmax(logits.float())`` holds the logits plus two fp32 copies of them). Under
+    autograd each chunk is checkpointed, so the backward keeps only the logits themselves
+    and recomputes one chunk's fp32 softmax at a time."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    flat_targets = targets.reshape(-1)
+    parts = []
+    for start in range(0, rows.shape[0], chunk_rows):
+        chunk, chunk_targets = rows[start:start + chunk_rows], \
+            flat_targets[start:start + chunk_rows]
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            parts.append(checkpoint(_chunk_log_probs, chunk, chunk_targets,
+                                    use_reentrant=False))
+        else:
+            parts.append(_chunk_log_probs(chunk, chunk_targets))
+    return torch.cat(parts).view(targets.shape)
+
+
+GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
+"""Most gradient bytes replicas all-reduce in one call: DDP's default bucket
+(``bucket_cap_mb=25``, torch.nn.parallel.DistributedDataParallel). One flat copy of every
+gradient would hold a second copy of them all (issue 31 defect 9)."""
+
+
+def gradient_buckets(grads: list[torch.Tensor],
+                     cap_bytes: int = GRADIENT_BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """``grads`` in order, cut into runs of one dtype and at most ``cap_bytes`` each (a
+    tensor larger than the cap is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if not buckets or size + nbytes > cap_bytes or buckets[-1][0].dtype != grad.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(grad)
+        size += nbytes
+    return buckets
+
+
+@torch.no_grad()
+def average_in_buckets(grads: list[torch.Tensor], group: Any, replicas: int,
+                       cap_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
+    """Average ``grads`` over the data-parallel ``group`` in place, one all-reduce per bucket
+    (``gradient_buckets``): at most one bucket's flat copy exists at a time."""
+    for bucket in gradient_buckets(grads, cap_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat.div_(replicas)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        del flat
+
+
 class Trainer:
     """One model on all ranks of the current process group, laid out as ``par``, computing
     in ``dtype`` (the workload's).
@@ -276,8 +349,7 @@ class Trainer:
             with loss_parallel():
                 nll = F.cross_entropy(shaped, targets.flatten(), reduction="none")
             return -local(nll).view_as(targets)
-        return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(
-            -1, targets[..., None]).squeeze(-1)
+        return gathered_log_probs(logits[:, :-1], targets)
 
     def token_values(self, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,14 +405,7 @@ class Trainer:
         pairs = [(local(p.grad), share) for p, share in zip(grads, self.shares, strict=True)
                  if p.grad is not None]
         if self.par.dp > 1 and not self.fsdp:
-            # Replicas average their gradients in one bucket, as DDP does.
-            flat = torch.cat([g.reshape(-1) for g, _ in pairs])
-            dist.all_reduce(flat, group=self.dp_group)
-            flat.div_(self.par.dp)
-            offset = 0
-            for g, _ in pairs:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            average_in_buckets([g for g, _ in pairs], self.dp_group, self.par.dp)
         metrics["grad_norm"] = clip_grad_norm(pairs, self.optim.grad_clip)
         self.optimizer.step()
         if self.main is not None:

@@ -88,7 +88,8 @@ def one_line(exc: SpecError) -> None:
 
 def walk_plan(job, plan_file: Path, commands: dict[str, int]) -> None:
     """Every command on one plan file (written by plan or compare)."""
-    from executor.run import ExecutionOptions, check_plan
+    from executor.run import ExecutionOptions
+    from executor.session import check_plan
     from planner.export import export_files
     from simulator.engine import simulate
     from simulator.plan import load_plan

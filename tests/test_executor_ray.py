@@ -17,7 +17,8 @@ from executor.batch import Batch  # noqa: E402
 from executor.controller import WorkerGroup  # noqa: E402
 from executor.generation import tp_shard_dim  # noqa: E402
 from executor.model import build_model  # noqa: E402
-from executor.run import ExecutionOptions, RunFailedError, execute, role_configs  # noqa: E402
+from executor.run import ExecutionOptions, RunFailedError, role_configs  # noqa: E402
+from executor.session import execute  # noqa: E402
 from executor.task import SortDigits  # noqa: E402
 from profiles.datafile import SpecError  # noqa: E402
 from simulator.costs.transition import transition_volume_bytes  # noqa: E402

@@ -722,3 +722,100 @@ def test_full_recompute_checkpoints_the_layers_and_trains_the_same() -> None:
     assert runs["full"]["loss"] == pytest.approx(runs["none"]["loss"], rel=1e-6)
     for a, b in zip(runs["full"]["weights"], runs["none"]["weights"], strict=True):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-7)
+
+
+def _saved_bytes(compute) -> int:
+    """Bytes autograd keeps for the backward while ``compute()`` runs (distinct storages)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compute()
+    return sum(storages.values())
+
+
+def test_chunked_log_probs_equal_the_whole_log_softmax_and_keep_only_the_logits() -> None:
+    """Issue 31 defect 9: log-probs over the vocabulary a chunk of positions at a time, each
+    chunk checkpointed: the values and gradients of log_softmax(logits.float()).gather(), but
+    the backward keeps the bf16 logits alone instead of an fp32 copy of them."""
+    from executor.trainer import gathered_log_probs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 96, 512, generator=generator).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 512, (2, 96), generator=generator)
+    weights = torch.randn(2, 96, generator=generator)
+
+    def whole() -> torch.Tensor:
+        return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+
+    def chunked() -> torch.Tensor:
+        return gathered_log_probs(logits, targets, chunk_rows=40)
+
+    expected, got = whole(), chunked()
+    assert got.dtype == torch.float32 and got.shape == targets.shape
+    assert torch.allclose(got, expected, atol=1e-5)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
+    (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    assert torch.allclose(grad.float(), expected_grad.float(), atol=1e-2)
+    logits_bytes = logits.numel() * logits.element_size()
+    assert _saved_bytes(whole) >= 2 * logits_bytes  # an fp32 copy of the logits
+    assert _saved_bytes(chunked) <= logits_bytes + targets.numel() * 8
+
+
+def test_replicas_average_gradients_one_bucket_at_a_time(monkeypatch) -> None:
+    """Issue 31 defect 9: replicated data parallelism reduces its gradients in DDP-sized
+    buckets (one dtype each), not through one flat copy of them all."""
+    import executor.trainer as trainer
+
+    grads = [torch.full((n,), float(i + 1)) for i, n in enumerate((10, 30, 5, 40, 2))]
+    grads.insert(3, torch.ones(3, dtype=torch.float64))
+    buckets = trainer.gradient_buckets(grads, cap_bytes=40 * 4)
+    assert [[len(g) for g in b] for b in buckets] == [[10, 30], [5], [3], [40], [2]]
+    assert [g for b in buckets for g in b] == grads
+    reduced: list[int] = []
+
+    def all_reduce(flat: torch.Tensor, group: object) -> None:
+        reduced.append(flat.numel())
+        flat.mul_(4)  # four replicas holding the same gradients
+
+    monkeypatch.setattr(trainer.dist, "all_reduce", all_reduce)
+    expected = [g.clone() for g in grads]
+    trainer.average_in_buckets(grads, group=None, replicas=4, cap_bytes=40 * 4)
+    assert reduced == [40, 5, 3, 40, 2]
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected, strict=True))
+
+
+def test_responses_are_cut_to_the_replicas_longest() -> None:
+    """Issue 31 defect 9: the generated batch is as wide as its longest response, not
+    max_new_tokens, and replicas of different widths concatenate padded to the wider."""
+    import types
+
+    from executor.generation import GenerationOutput
+    from executor.roles import sample
+
+    class Engine:
+        def __init__(self, lengths: list[int]) -> None:
+            self.lengths = torch.tensor(lengths)
+
+        def generate(self, prompts, params, generator, prompt_mask=None):
+            steps = params.max_new_tokens
+            live = torch.arange(steps)[None] < self.lengths[:, None]
+            return GenerationOutput(responses=torch.where(live, 7, 0),
+                                    log_probs=torch.where(live, -1.0, 0.0),
+                                    lengths=self.lengths)
+
+    config = types.SimpleNamespace(sampling=SamplingParams(max_new_tokens=8, eos_token_id=7),
+                                    seed=0)
+    prompts = Batch({"prompts": torch.ones(2, 3, dtype=torch.long)}, {})
+    short = sample(Engine([2, 3]), config, 0, prompts)
+    assert short["responses"].shape == (2, 3) and short["input_ids"].shape == (2, 6)
+    assert short["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+    longer = sample(Engine([5, 1]), config, 1, prompts)
+    both = Batch.concat([short, longer])
+    assert both["responses"].shape == (4, 5)
+    assert both["response_mask"].sum(-1).tolist() == [2, 3, 5, 1]
+    assert both["old_log_probs"].sum(-1).tolist() == [-2, -3, -5, -1]

@@ -592,6 +592,37 @@ def _equal_micro_batches(micro_batches: list[dict[str, torch.Tensor]],
     return out
 
 
+def share_tensors(local: dict[str, torch.Tensor], group: Any, key: int = 0,
+                  ) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Every rank's (``key``, ``local`` tensors) on every rank of ``group``, in group order.
+    Only the names, shapes and dtypes travel as Python objects; each tensor is broadcast by
+    its owner into a buffer on the worker's device (issue 31 defect 3: ``all_gather_object``
+    of the tensors pickled every shard through host memory, and NCCL sends device tensors
+    only)."""
+    from executor.device import worker_device
+
+    layout = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+              for name, t in local.items()]
+    described: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(described, (key, layout), group=group)
+    me = torch.distributed.get_rank()
+    device = worker_device()
+    out = []
+    for owner, (owner_key, entries) in zip(torch.distributed.get_process_group_ranks(group),
+                                           described, strict=True):
+        tensors = {}
+        for name, shape, dtype in entries:
+            # The owner's own tensors too are copies: a snapshot, not views of parameters
+            # that the next step changes.
+            tensor = local[name].detach().to(device).clone(
+                memory_format=torch.contiguous_format) if owner == me else \
+                torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            torch.distributed.broadcast(tensor, src=owner, group=group)
+            tensors[name] = tensor
+        out.append((owner_key, tensors))
+    return out
+
+
 class _Computed:
     """Stands in for a trainer inside a loss function: the log-probs or values of the
     micro-batch the pipeline schedule just computed (the algorithm code asks for them)."""
@@ -891,17 +922,14 @@ class MegatronTrainer:
                                       vp_stage=stage, ep_rank=self.ep_rank))
         experts = {name: t for name, t in local.items() if EXPERTS in name}
         dense = {name: t for name, t in local.items() if EXPERTS not in name}
-        group = ps.get_model_parallel_group()
-        shards: list[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(shards, dense, group=group)
         # Megatron's model-parallel group lists ranks tp fastest, then pp.
+        shards = [part for _, part in share_tensors(dense, ps.get_model_parallel_group())]
         if self.spec.moe is not None:
             # The routed experts live on the expert-parallel ranks, which the model-parallel
             # group does not span: gather them over the (etp, ep, pp) ranks of this expert
             # replica, each expert's shards in etp order.
-            group = ps.get_expert_tensor_model_pipeline_parallel_group()
-            held: list[Any] = [None] * torch.distributed.get_world_size(group)
-            torch.distributed.all_gather_object(held, (self.etp_rank, experts), group=group)
+            held = share_tensors(experts, ps.get_expert_tensor_model_pipeline_parallel_group(),
+                                 key=self.etp_rank)
             shards += [part for _, part in sorted(held, key=lambda item: item[0])]
         return gather_hf(shards, self.spec, self.par)
 

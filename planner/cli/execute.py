@@ -176,7 +176,7 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
 def _check_run(job: Any, plan_file: Any, options: Any, source: str, as_json: bool,
                job_source: str | None) -> None:
     """``execute --dry-run``: the executor's checks, and what a run would start."""
-    from executor.run import check_plan
+    from executor.session import check_plan
 
     try:
         summary = check_plan(job, plan_file, options)
@@ -218,8 +218,8 @@ def _run_and_report(job: Any, plan_file: Any, options: Any, source: str,
     """Run, then print the summary and the predicted-vs-measured table; one line and a
     non-zero status when the run fails (1) or is interrupted (130)."""
     from executor.run import RunFailedError
-    from executor.run import execute as run_plan
     from executor.session import RunInterruptedError
+    from executor.session import execute as run_plan
 
     run_dir = options.out
     try:  # checks everything (and reads the data) before any worker starts
