@@ -133,7 +133,7 @@ COMMANDS: dict[str, int] = {"plan": 0, "report": 0, "simulate": 0, "export": 0,
 @given(mapping=feasible_jobs())
 def test_every_plan_file_works_with_every_command(mapping: dict) -> None:
     from planner.planning import plan_job
-    from reports.render import write_plan_report
+    from planner.report import write_plan_report
     from simulator.plan import job_as_planned
     from simulator.specs.job import job_from_mapping
 

@@ -349,7 +349,7 @@ def test_plans_worth_a_second_look_get_a_warning() -> None:
 def test_the_accuracy_banner_shows_the_validation_groups_of_the_jobs_kind(tmp_path) -> None:
     """A dense synchronous job's report quotes the dense, synchronous validation groups, not
     the MoE ones nor the asynchronous one; an MoE job's quotes the MoE groups."""
-    from reports.render import write_plan_report
+    from planner.report import write_plan_report
     from simulator.validation import run_validation
 
     _, groups = run_validation()
@@ -414,7 +414,7 @@ def test_the_grid_of_running_caps_brackets_every_cap() -> None:
 def test_the_report_prices_the_whole_weight_update_not_only_the_transition(tmp_path) -> None:
     """A colocated actor's update before generation is the transition plus the engine's
     wake-up (and states moved to host where the framework offloads them)."""
-    from reports.render import write_plan_report
+    from planner.report import write_plan_report
 
     result = plan_job(default_job())
     write_plan_report(result, tmp_path)

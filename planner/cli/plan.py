@@ -134,7 +134,7 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
     """Search the best placement and parallel configs; write the plan and a report."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
-    from reports.render import plan_json, write_plan_report
+    from planner.report import plan_json, write_plan_report
     from simulator.plan import parse_placement
 
     if placement and plan_path:
@@ -204,7 +204,7 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
 
 
 def _print_plan(result: Any, files: Any) -> None:
-    from reports.render import gpus_label
+    from planner.report import gpus_label
 
     job = result.job
     click.echo(f"{job.algorithm.upper()} on {job.cluster.describe()}: searched in "
@@ -270,7 +270,7 @@ def compare(config: str | None, gpu_list: str, out: str, top: int, backend: str,
     with a deadline, the cheapest size whose best plan meets it)."""
     from planner.planning import plan_job
     from planner.progress import SearchProgress
-    from reports.render import deadline_verdict, gpus_label, plan_json, write_compare_report
+    from planner.report import deadline_verdict, gpus_label, plan_json, write_compare_report
 
     try:
         sizes = [int(x) for x in gpu_list.split(",") if x.strip()]

@@ -31,8 +31,8 @@ def _warm_imports() -> None:
     """Import what the commands import lazily, so each forked child starts warm."""
     import planner.calibration
     import planner.cli
-    import planner.planning  # noqa: F401
-    import reports.render  # noqa: F401
+    import planner.planning
+    import planner.report  # noqa: F401
     import simulator.validation  # noqa: F401
     try:
         import datasets  # noqa: F401

@@ -1,10 +1,10 @@
 """Report of a planning run: plan.json, ranking.csv, strategies.csv, report.md, a
-self-contained report.html (figures embedded) and the PNG figures."""
+self-contained report.html (figures embedded) and the PNG figures; and the scaling report of
+``compare``. This module turns planning results into plain data (tables, sentences, figure
+series); ``reports/`` draws the figures and writes the documents."""
 
 from __future__ import annotations
 
-import base64
-import html
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,10 +12,22 @@ import pandas as pd
 
 from planner.objective import group_price_per_gpu_hour, priced
 from planner.planning import Evaluated, PlanningResult, cheapest_meeting_deadline
+from planner.provenance import stale_calibration
 from profiles.datafile import write_text_atomic
 from reports import figures
+from reports.document import (
+    Bullets,
+    Document,
+    Heading,
+    Image,
+    Note,
+    Paragraph,
+    Table,
+    write_document,
+)
 from simulator.costs.memory import GIB
 from simulator.specs.job import RULE, JobSpec
+from simulator.validation import cached_validation
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +202,6 @@ def _accuracy_note(profile, *, mixture_of_experts: bool = False,
                    asynchronous: bool = False) -> str:
     """What is known about how far to trust predictions made with ``profile``, for a job of
     this kind (the validation groups of other kinds are left to ``hybridflow validate``)."""
-    from planner.provenance import stale_calibration
-    from simulator.validation import cached_validation
-
     provenance = profile.provenance
     stale = stale_calibration(profile)
     warning = f" Warning: {stale}." if stale else ""
@@ -273,6 +282,23 @@ def _why(result: PlanningResult) -> list[str]:
     return lines
 
 
+def why_blocks(lines: list[str]) -> list:
+    """``_why``'s lines as blocks: sentences as paragraphs, runs of '- ' lines as lists."""
+    blocks: list = []
+    run: list[str] = []
+    for line in lines:
+        if line.startswith("- "):
+            run.append(line[2:])
+            continue
+        if run:
+            blocks.append(Bullets(tuple(run)))
+            run = []
+        blocks.append(Paragraph(line))
+    if run:
+        blocks.append(Bullets(tuple(run)))
+    return blocks
+
+
 def _weight_update_line(best: Evaluated) -> str:
     """The whole weight update before each generation of a colocated actor, as a framework's
     refit timer holds it (the parts of ``validate``'s nemo_rl_v03_refit group): states moved
@@ -329,23 +355,6 @@ def _roles_table(best: Evaluated) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _markdown_table(frame: pd.DataFrame, floatfmt: str = ".2f") -> str:
-    if frame.empty:
-        return "(none)"
-    header = "| " + " | ".join(str(c) for c in frame.columns) + " |"
-    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
-    lines = [header, rule]
-    for _, row in frame.iterrows():
-        cells = []
-        for value in row:
-            if isinstance(value, float):
-                cells.append("" if pd.isna(value) else format(value, floatfmt))
-            else:
-                cells.append(str(value).replace("|", "\\|"))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFiles:
     """Write every artefact of ``result`` into ``out_dir`` (files replaced atomically)."""
     out = Path(out_dir)
@@ -393,79 +402,32 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         "mixture_of_experts": any(job.model(r).moe is not None for r in job.gpu_roles),
         "asynchronous": result.best is not None and result.best.plan.rollout is not None})
 
-    md = [f"# RLHF placement plan: {title}", ""]
-    md += [f"- **{k}**: {v}" for k, v in summary]
-    md += ["", f"> {accuracy}", ""]
+    blocks: list = [Note(accuracy)]
     if result.best is not None:
         best = result.best
-        md += ["## Best plan", "",
-               f"**{best.plan.placement}** on {gpus_label(best, job)} GPUs: "
-               f"**{best.iteration_seconds:.1f} s** per iteration, "
-               f"**{best.throughput_tokens_per_s:,.0f} tokens/s** "
-               f"(prompt + response tokens per iteration / iteration time).", "",
-               *([_cost_line(result), ""] if best.dollars_per_iteration else []),
-               *(["### How sure", "", *_confidence_lines(result, "- "), ""]
-                 if result.confidence else []),
-               _markdown_table(_sets_table(best, job)), "",
-               _markdown_table(_roles_table(best)), "",
-               "![timeline](timeline.png)", "", "![memory](memory.png)", ""]
+        blocks += [Heading("Best plan"),
+                   Paragraph(f"**{best.plan.placement}** on {gpus_label(best, job)} GPUs: "
+                             f"**{best.iteration_seconds:.1f} s** per iteration, "
+                             f"**{best.throughput_tokens_per_s:,.0f} tokens/s** "
+                             "(prompt + response tokens per iteration / iteration time)."),
+                   *([Paragraph(_cost_line(result))] if best.dollars_per_iteration else []),
+                   *([Heading("How sure", 3), Bullets(tuple(_confidence_lines(result)))]
+                     if result.confidence else []),
+                   Table(_sets_table(best, job)), Table(_roles_table(best)),
+                   Image(out / "timeline.png"), Image(out / "memory.png")]
     else:
-        md += ["## No plan fits", "", result.infeasible_reason, ""]
-    md += ["## Why this plan", "", *why, "",
-           "## Standard strategies", "", "![throughput](throughput.png)", "",
-           _markdown_table(strategies.drop(columns=["peak_memory_bytes_per_gpu"])), "",
-           "### Seconds per operation", "", _markdown_table(stages.reset_index(
-               names="operation")), "",
-           *(["## Synchronous and asynchronous modes", "", MODES_NOTE, "",
-              _markdown_table(modes_table(result)), ""] if result.modes else []),
-           "## Ranking", "", _markdown_table(ranking), "",
-           "## Search", "", *stats_lines, ""]
-    write_text_atomic(out / "report.md", "\n".join(md))
-
-    def image(path: Path) -> str:
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
-        return f'<img alt="{path.stem}" src="data:image/png;base64,{data}">'
-
-    def frame_html(frame: pd.DataFrame, index: bool = False) -> str:
-        return frame.to_html(index=index, float_format=lambda v: f"{v:,.2f}", na_rep="",
-                             border=0, classes="table")
-
-    parts = [f"<h1>RLHF placement plan: {html.escape(title)}</h1>", "<ul>"]
-    parts += [f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in summary]
-    parts += ["</ul>", f"<p class='note'>{html.escape(accuracy)}</p>"]
-    if result.best is not None:
-        best = result.best
-        parts += ["<h2>Best plan</h2>",
-                  f"<p><b>{html.escape(best.plan.placement)}</b> on {gpus_label(best, job)} GPUs: "
-                  f"<b>{best.iteration_seconds:.1f} s</b> per iteration, "
-                  f"<b>{best.throughput_tokens_per_s:,.0f} tokens/s</b>.</p>",
-                  *([f"<p>{html.escape(_cost_line(result).replace('**', ''))}</p>"]
-                    if best.dollars_per_iteration else []),
-                  *(["<h3>How sure</h3><ul>",
-                     *(f"<li>{html.escape(line)}</li>" for line in _confidence_lines(result)),
-                     "</ul>"] if result.confidence else []),
-                  frame_html(_sets_table(best, job)),
-                  frame_html(_roles_table(best)), image(out / "timeline.png"),
-                  image(out / "memory.png")]
-    else:
-        parts += ["<h2>No plan fits</h2>", f"<p>{html.escape(result.infeasible_reason)}</p>"]
-    parts += ["<h2>Why this plan</h2><ul>"]
-    parts += [f"<li>{html.escape(line.lstrip('- ')).replace('**', '')}</li>" for line in why]
-    parts += ["</ul><h2>Standard strategies</h2>", image(out / "throughput.png"),
-              frame_html(strategies), "<h3>Seconds per operation</h3>",
-              frame_html(stages, index=True),
-              *([f"<h2>Synchronous and asynchronous modes</h2><p>{html.escape(MODES_NOTE)}</p>",
-                 frame_html(modes_table(result))] if result.modes else []),
-              "<h2>Ranking</h2>", frame_html(ranking),
-              "<h2>Search</h2>", *(f"<p>{html.escape(s)}</p>" for s in stats_lines)]
-    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;"
-             "color:#222}table{border-collapse:collapse;margin:1em 0;font-size:13px}"
-             "td,th{padding:4px 8px;border-bottom:1px solid #ddd;text-align:left}"
-             "img{max-width:100%;margin:1em 0}.note{background:#f6f6f6;padding:8px}")
-    document = (f"<!doctype html><html><head><meta charset='utf-8'><title>"
-                f"{html.escape(title)}</title><style>{style}</style></head><body>"
-                + "\n".join(parts) + "</body></html>\n")
-    write_text_atomic(out / "report.html", document)
+        blocks += [Heading("No plan fits"), Paragraph(result.infeasible_reason)]
+    blocks += [Heading("Why this plan"), *why_blocks(why),
+               Heading("Standard strategies"), Image(out / "throughput.png"),
+               Table(strategies, markdown_drop=("peak_memory_bytes_per_gpu",)),
+               Heading("Seconds per operation", 3),
+               Table(stages, index=True, index_name="operation"),
+               *([Heading("Synchronous and asynchronous modes"), Paragraph(MODES_NOTE),
+                  Table(modes_table(result))] if result.modes else []),
+               Heading("Ranking"), Table(ranking),
+               Heading("Search"), *(Paragraph(line) for line in stats_lines)]
+    write_document(Document(title=f"RLHF placement plan: {title}", summary=tuple(summary),
+                            blocks=tuple(blocks)), out, "report")
     return ReportFiles(directory=out, plan=plan_path, report_md=out / "report.md",
                        report_html=out / "report.html", ranking_csv=out / "ranking.csv",
                        strategies_csv=out / "strategies.csv", figures=tuple(pngs))
@@ -593,9 +555,9 @@ def write_compare_report(results: list[PlanningResult], out_dir: str | Path,
         title = f"{job.algorithm.upper()}, {', '.join(names)}"
     figures.throughput_vs_gpus(gpus, series, out / "throughput_vs_gpus.png",
                                f"Throughput per strategy against cluster size - {title}")
-    md = [f"# Scaling: {title}", "", "![throughput](throughput_vs_gpus.png)", "",
-          _markdown_table(table), ""]
+    blocks: list = [Image(out / "throughput_vs_gpus.png"), Table(table)]
     if deadline_seconds is not None:
-        md += [deadline_verdict(results, deadline_seconds), ""]
-    write_text_atomic(out / "compare.md", "\n".join(md))
-    return out / "compare.md"
+        blocks.append(Paragraph(deadline_verdict(results, deadline_seconds)))
+    markdown, _ = write_document(Document(title=f"Scaling: {title}", blocks=tuple(blocks)),
+                                 out, "compare", html_too=False)
+    return markdown
