@@ -27,12 +27,16 @@ options they use live in ``executor.run``, which imports nothing from here.
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from executor.controller import WorkerFailedError
+from executor.data import DataExhaustedError
+from executor.drivers import fit_reward_model, run_iteration, validation_scores
+from executor.ledger import RunLedger
+from executor.records import machine, measurement_rows, versions, write_run
+from executor.reward_function import RewardFunctionError
 from executor.run import (
     ExecutionOptions,
     RunFailedError,
@@ -45,264 +49,78 @@ from executor.run import (
     role_configs,
     validate_for_execution,
 )
-from profiles.datafile import (
-    SpecError,
-    json_text,
-    read_text_file,
-    to_mapping,
-    write_text_atomic,
-)
+from executor.run_checkpoints import CheckpointStore, latest_checkpoint
+from executor.run_workers import RunWorkers
+from profiles.datafile import to_mapping
 from simulator.plan import Plan
 from simulator.specs.job import JobSpec
-
-CHECKPOINTS_KEPT = 2
-"""Complete checkpoints kept in RUN/checkpoints (older ones are removed)."""
-
-NODE_NAMES = {"generate": "generate", "values": "infer", "log_probs": "infer",
-              "scores": "infer", "update": "train"}
 
 
 class RunInterruptedError(RuntimeError):
     """The run was stopped (SIGINT); the message says what was kept."""
 
 
-def checkpoint_directories(run: Path) -> list[Path]:
-    """The run's complete checkpoints, oldest first."""
-    root = run / "checkpoints"
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")
-            and (p / "controller.json").is_file()]
-    return sorted(done, key=lambda p: int(p.name.split("_")[1]))
-
-
-def read_controller_state(directory: Path) -> dict[str, Any]:
-    path = directory / "controller.json"
-    try:
-        state = json.loads(read_text_file(path, what="UTF-8 JSON"))
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"not a readable checkpoint: {exc}", source=str(path)) from None
-    if not isinstance(state, dict):
-        raise SpecError("not a readable checkpoint: expected a JSON mapping",
-                        source=str(path))
-    for key in ("iterations_done", "generator", "rows", "metrics"):
-        if key not in state:
-            raise SpecError("missing key", key=key, source=str(path))
-    return state
-
-
 class RunSession:
-    """The controller's side of one run (see the module's docstring)."""
+    """The controller's side of one run (see the module's docstring): the run's inputs, its
+    workers (``RunWorkers``), its records (``RunLedger``) and its checkpoints
+    (``CheckpointStore``)."""
 
     def __init__(self, job: JobSpec, plan: Plan, options: ExecutionOptions):
         self.job = job
         self.plan = plan
         self.options = options
         self.say = options.log or (lambda _message: None)
-        self.resume_from: Path | None = None
-        if options.resume is not None:
-            found = checkpoint_directories(options.resume)
-            if not found:
-                raise SpecError(f"{options.resume} has no complete checkpoint "
-                                "(checkpoints/iter_N with controller.json)", key="--resume")
-            self.resume_from = found[-1]
+        self.resume_from = latest_checkpoint(options.resume) \
+            if options.resume is not None else None
         self.task = validate_for_execution(job, plan, options)
         self.configs = role_configs(job, plan, options, self.task)
         self.checkpoints = effective_checkpoints(job, options)
+        """The Hugging Face directories the roles start from."""
         self.backends = effective_backends(job, plan)
         self.trained = [r for r in job.gpu_roles if self.configs[r].trainable]
-        self.groups: list[Any] = []
-        self.handles: dict[str, Any] = {}
-        self.records: list[Any] = []
-        self.rows: list[dict[str, Any]] = []
-        self.metrics: list[dict[str, Any]] = []
-        self.restarts: list[dict[str, Any]] = []
-        self.kill_workers = False
-        """Set when a worker failed or the run was interrupted: the workers are then killed,
-        not asked to stop, since a rank may wait in a collective (with a failed peer) for its
-        whole timeout."""
-        self.checkpoints_written: list[dict[str, Any]] = []
-        self.warmup: list[float] = []
-        self.cost_warmup: list[float] = []
-        self.last_checkpoint: Path | None = self.resume_from
-        self.last_checkpoint_time = time.time()
+        self.ledger = RunLedger()
+        self.store = CheckpointStore(options.out, self.resume_from)
+        self.workers: RunWorkers | None = None
         self.started_at = time.time()
-        self.origin = time.time()
-        self.worker_code: dict[str, Any] = {}
-        self.node_map: Any = None
-        self.ctx: Any = None
-
-    # ----- workers ---------------------------------------------------------------------
-
-    def start_workers(self) -> None:
-        """Worker groups, roles built, role handles and the controller's context."""
-        import torch
-
-        from executor.controller import RoleHandle, WorkerGroup
-        from executor.drivers import Context
-        from executor.placement import gpu_nodes, map_plan_nodes
-        from executor.protocols import RankLayout
-        from executor.reward_function import load_reward_function
-
-        job, plan, options = self.job, self.plan, self.options
-        self.node_map = map_plan_nodes(plan, job.cluster.gpus_per_node,
-                                       gpu_nodes(self.ray.nodes()),
-                                       local=options.address is None)
-        # The training sets, then the rollout set of a one-step-off plan.
-        self.groups = [WorkerGroup(self.ray, i, s, options.worker_setup,
-                                   self.node_map.bundle_nodes(plan, i,
-                                                              job.cluster.gpus_per_node))
-                       for i, s in enumerate(plan.located_sets())]
-        self.worker_code = self.ray.get(self.groups[0].workers[0].code_location.remote())
-        for role in job.gpu_roles:
-            tp = plan.roles[role].parallel.tp
-            if tp > 1:
-                self.groups[plan.set_index(role)].check_groups_share_nodes(
-                    tp, f"{role}'s tp={tp}")
-        rollout_generation = plan.roles["actor"].generation if plan.rollout else None
-        if rollout_generation is not None and rollout_generation.tp > 1:
-            self.groups[-1].check_groups_share_nodes(
-                rollout_generation.tp, f"the rollout's generation tp={rollout_generation.tp}")
-        for group in self.groups:
-            for role in group.colocated.roles:
-                group.build(self.configs[role])
-        self.records = []
-        self.handles = {}
-        for role in job.gpu_roles:
-            rp = plan.roles[role]
-            layout = RankLayout(world=rp.parallel.world_size, dp=rp.parallel.dp,
-                                tp=rp.parallel.tp, pp=rp.parallel.pp,
-                                gen_tp=rp.generation.tp if rp.generation else 1)
-            names = {m: f"{role}.{op}" for m, op in NODE_NAMES.items()}
-            self.handles[role] = RoleHandle(self.groups[plan.set_index(role)], role, layout,
-                                            self.records.append, names)
-        if rollout_generation is not None:
-            gpus, tp = self.groups[-1].colocated.gpus, rollout_generation.tp
-            # Whole generation replicas: micro-DP is one replica per tp group.
-            self.handles["rollout"] = RoleHandle(
-                self.groups[-1], "rollout", RankLayout(world=gpus, dp=gpus // tp, tp=tp,
-                                                       gen_tp=tp),
-                self.records.append, {m: f"actor.{op}" for m, op in NODE_NAMES.items()},
-                label="actor")
-        work = job.workload
-        self.ctx = Context(handles=self.handles, task=self.task, rl=self.configs["actor"].rl,
-                           prompts_per_iteration=work.prompts_per_iteration,
-                           samples_per_prompt=work.samples_per_prompt,
-                           reward_from_model="reward" in self.handles,
-                           cost_from_model="cost" in self.handles,
-                           multiplier=options.rl.lambda_init,
-                           reward_function=None if job.reward_function is None else
-                           load_reward_function(job.reward_function.path,
-                                                job.reward_function.name),
-                           generator=torch.Generator().manual_seed(options.seed),
-                           mode=plan.mode, steps=options.steps)
-        self.ctx.records = self.records
-        if rollout_generation is not None:
-            self.form_weight_sync()
-            self.sync_rollout()
-
-    def form_weight_sync(self) -> None:
-        """The sync group: the trainer actor's rank 0 and every rollout rank, over a store on
-        that rank 0 (``executor.weight_sync``)."""
-        from executor.batch import Batch
-
-        trainer, rollout = self.groups[self.plan.set_index("actor")], self.groups[-1]
-        members = 1 + len(rollout.workers)
-        one_node = len(set(trainer.nodes[:1] + rollout.nodes)) == 1
-        host = "127.0.0.1" if one_node else trainer.addresses[0]
-        opened, _ = self.ray.get(trainer.workers[0].call.remote(
-            "actor", "open_weight_sync", Batch(meta={"host": host, "members": members})))
-        meta = Batch(meta={"address": f"{host}:{opened.meta['port']}", "members": members})
-        self.ray.get([w.call.remote("actor", "join_weight_sync", meta)
-                      for w in trainer.workers]
-                     + [w.call.remote("rollout", "join_weight_sync", meta)
-                        for w in rollout.workers])
-
-    def sync_rollout(self) -> None:
-        """The trainer's current weights to the rollout set, outside any iteration (at the
-        start and after a restore)."""
-        from executor.drivers import sync_weights
-
-        sync_weights(self.ctx)
-        self.records.clear()
-
-    def stop_workers(self, graceful: bool = True) -> None:
-        for group in self.groups:
-            group.shutdown(graceful=graceful)
-        self.groups = []
+        self.tokenizer_files: dict[str, bytes] = {}
+        self.writer: Any = None
+        """TensorBoard's SummaryWriter with ``log_tensorboard``."""
 
     # ----- checkpoints -----------------------------------------------------------------
 
     def controller_state(self, iterations_done: int) -> dict[str, Any]:
+        ctx = self.workers.ctx
         return {"iterations_done": iterations_done,
-                "generator": self.ctx.generator.get_state().tolist(),
-                "multiplier": self.ctx.multiplier,
+                "generator": ctx.generator.get_state().tolist(),
+                "multiplier": ctx.multiplier,
                 "data_position": self.task.cursor.state if self.job.data is not None
                 else None,
-                "reward_warmup_losses": self.warmup,
-                "cost_warmup_losses": self.cost_warmup,
-                "rows": self.rows, "metrics": self.metrics,
+                **self.ledger.state(),
                 "plan": self.plan.to_value(), "roles": self.trained,
                 "seconds": time.time() - self.started_at}
 
     def save_checkpoint(self, iterations_done: int) -> Path:
         """Every trained role's state and the controller's, renamed into place whole."""
-        from executor.batch import Batch
-
-        assert self.options.out is not None
-        start = time.time()
-        root = self.options.out / "checkpoints"
-        final = root / f"iter_{iterations_done:06d}"
-        partial = root / f".{final.name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        pending = [self.handles[role].save_checkpoint(
-            Batch(meta={"directory": str(partial / role)}), node=f"{role}.checkpoint")
-            for role in self.trained]
-        written = sum(p.result().meta.get("bytes", 0.0) for p in pending)
-        self.records.clear()  # checkpoint calls are not stages of an iteration
-        write_text_atomic(partial / "controller.json",
-                          json_text(self.controller_state(iterations_done), default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
-        for old in checkpoint_directories(self.options.out)[:-CHECKPOINTS_KEPT]:
-            shutil.rmtree(old, ignore_errors=True)
-        self.last_checkpoint = final
-        self.last_checkpoint_time = time.time()
-        self.checkpoints_written.append({"iterations_done": iterations_done,
-                                         "seconds": time.time() - start,
-                                         "bytes_rank_sum": written, "path": str(final)})
+        record = self.store.write(
+            iterations_done, lambda directory: self.workers.save_roles(self.trained, directory),
+            self.controller_state(iterations_done))
+        self.ledger.checkpoints_written.append(record)
         self.write_records()
-        return final
+        return Path(record["path"])
 
     def restore(self, directory: Path) -> int:
         """Every trained role's state and the controller's from ``directory``; returns the
         iterations it had done."""
         import torch
 
-        from executor.batch import Batch
-
-        state = read_controller_state(directory)
-        if state.get("plan") != json.loads(json_text(self.plan.to_value(), default=str)):
-            raise SpecError("the checkpoint was written by another plan", key="--resume",
-                            source=str(directory))
-        pending = [self.handles[role].load_checkpoint(
-            Batch(meta={"directory": str(directory / role)}), node=f"{role}.restore")
-            for role in self.trained]
-        for call in pending:
-            call.result()
-        if "rollout" in self.handles:
-            self.sync_rollout()
-        self.records.clear()
-        self.ctx.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
-        self.ctx.multiplier = state.get("multiplier", self.ctx.multiplier)
+        state = self.store.read(directory, self.plan.to_value())
+        self.workers.load_roles(self.trained, directory)
+        ctx = self.workers.ctx
+        ctx.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        ctx.multiplier = state.get("multiplier", ctx.multiplier)
         if self.job.data is not None and state.get("data_position"):
             self.task.cursor.restore(state["data_position"])
-        self.rows = list(state["rows"])
-        self.metrics = list(state["metrics"])
-        self.warmup = list(state.get("reward_warmup_losses", []))
-        self.cost_warmup = list(state.get("cost_warmup_losses", []))
+        self.ledger.restore(state)
         return int(state["iterations_done"])
 
     # ----- records ---------------------------------------------------------------------
@@ -310,9 +128,7 @@ class RunSession:
     def run_meta(self, seconds: float) -> dict[str, Any]:
         import torch
 
-        from executor.records import machine, versions
-
-        options, job, task = self.options, self.job, self.task
+        options, job, task, ledger = self.options, self.job, self.task, self.ledger
         return {"plan": self.plan.to_value(), "job": job.to_value(), "mode": self.plan.mode,
                 "options": {**options.to_saved(), "checkpoints": dict(self.checkpoints)},
                 **({"data": {"data": to_mapping(job.data),
@@ -321,37 +137,27 @@ class RunSession:
                              "dropped": task.train.dropped,
                              "truncated": task.train.truncated}}
                    if job.data is not None else {}),
-                "reward_warmup_losses": self.warmup, "cost_warmup_losses": self.cost_warmup,
+                "reward_warmup_losses": ledger.reward_warmup_losses,
+                "cost_warmup_losses": ledger.cost_warmup_losses,
                 **({"data_position": task.cursor.state} if job.data is not None else {}),
-                "checkpoints_written": self.checkpoints_written,
-                "restarts": self.restarts,
+                "checkpoints_written": ledger.checkpoints_written,
+                "restarts": ledger.restarts,
                 **({"resumed_from": str(self.resume_from)} if self.resume_from else {}),
                 "versions": versions(), "machine": machine(), "seconds": seconds,
-                "worker_code": self.worker_code,
-                "node_map": {str(k): n.node_id for k, n in self.node_map.nodes.items()}
-                if self.node_map is not None else {},
-                "worker_nodes": [group.nodes for group in self.groups],
-                "clock_offsets_seconds": [
-                    [{"offset": o, "uncertainty": u} for o, u in group.clock_offsets]
-                    for group in self.groups],
+                **(self.workers.run_meta() if self.workers is not None else {}),
                 "ray_address": options.address or (
                     "local" if torch.cuda.device_count() else "local (virtual GPUs)")}
 
     def write_records(self, **extra: Any) -> None:
-        from executor.records import write_run
-
         if self.options.out is None:
             return
         meta = self.run_meta(time.time() - self.started_at)
         meta.update(extra)
-        write_run(self.options.out, self.rows, self.metrics, meta, self.plan)
+        write_run(self.options.out, self.ledger.rows, self.ledger.metrics, meta, self.plan)
 
     def fail(self, failure: Exception, iteration: int) -> NoReturn:
         """Write the records of the finished iterations and raise RunFailedError."""
-        from executor.controller import WorkerFailedError
-
-        self.kill_workers = isinstance(failure, WorkerFailedError)
-
+        self.workers.kill = isinstance(failure, WorkerFailedError)
         where = ""
         if self.options.out is not None:
             detail = ({"iteration": iteration, "operation": failure.operation,
@@ -361,67 +167,68 @@ class RunSession:
                       {"iteration": iteration, "operation": "reward function",
                        "set": "controller", "rank": None, "cause": str(failure)})
             self.write_records(failure=detail)
-            finished = len(self.metrics)
-            where = f"; records of the {finished} finished iteration(s) in {self.options.out}"
+            where = (f"; records of the {self.ledger.finished} finished iteration(s) in "
+                     f"{self.options.out}")
         raise RunFailedError(f"{failure}{where}") from None
 
     # ----- the run ---------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        from executor.controller import WorkerFailedError
-
         options = self.options
-        self.ray, self.started_ray = _start_ray(self.plan, options.address,
-                                                options.worker_logs)
+        ray, started_ray = _start_ray(self.plan, options.address, options.worker_logs)
+        self.workers = RunWorkers(ray, self.job, self.plan, self.configs)
         try:
             try:
                 return self._run()
             except WorkerFailedError:
                 # Failed outside an iteration (warm-up, restore, a restart): the same as in one.
-                self.kill_workers = True
+                self.workers.kill = True
                 raise
             except KeyboardInterrupt:
                 # Ranks may be inside a call (or a collective): kill them, do not wait.
-                self.kill_workers = True
-                kept = f"{len(self.metrics)} finished iteration(s)"
+                self.workers.kill = True
+                kept = f"{self.ledger.finished} finished iteration(s)"
                 where = ""
                 if options.out is not None:
-                    self.write_records(interrupted={"after_iterations": len(self.metrics),
+                    self.write_records(interrupted={"after_iterations": self.ledger.finished,
                                                     "at": time.time()})
                     where = f" in {options.out}"
-                last = f"; last checkpoint {self.last_checkpoint}" if self.last_checkpoint \
-                    else ""
+                last = f"; last checkpoint {self.store.last}" if self.store.last else ""
                 raise RunInterruptedError(f"interrupted: the records of {kept} are kept"
                                           f"{where}{last}") from None
         finally:
-            self.stop_workers(graceful=not self.kill_workers)
-            if self.started_ray:
-                self.ray.shutdown()
+            self.workers.stop()
+            if started_ray:
+                ray.shutdown()
 
-    def _run(self) -> RunResult:
-        from executor.controller import WorkerFailedError
-        from executor.reward_function import RewardFunctionError
-
-        options, job = self.options, self.job
+    def _say_start(self) -> None:
+        job = self.job
         self.say(f"starting {plan_gpus(self.plan)} workers in {len(self.plan.sets)} "
                  "colocated set(s)"
                  + (f" and a rollout set ({self.plan.mode})" if self.plan.rollout else ""))
         if job.framework_profile.offload.params:
             self.say(f"the {job.framework} profile also offloads parameters; the executor "
                      "keeps them on the GPUs (it offloads optimizer states and gradients)")
-        self.start_workers()
-        if self.node_map.shared_machine:
+
+    def _say_data(self) -> None:
+        task = self.task
+        self.say(f"data: {len(task.train)} training prompts"
+                 + (f", {len(task.val)} held out" if task.val else "")
+                 + f" (longest {task.prompt_length} tokens"
+                 + (f"; {task.train.dropped} longer ones left out"
+                    if task.train.dropped else "")
+                 + (f"; {task.train.truncated} truncated" if task.train.truncated else "")
+                 + f"), tokenizer {task.tokenizer_directory}")
+
+    def _run(self) -> RunResult:
+        options, job = self.options, self.job
+        self._say_start()
+        self.workers.start(options, self.task)
+        if self.workers.node_map.shared_machine:
             self.say("the plan's nodes all run on this machine's one Ray node (a local run: "
                      "its node layout is not reproduced)")
         if job.data is not None:
-            task = self.task
-            self.say(f"data: {len(task.train)} training prompts"
-                     + (f", {len(task.val)} held out" if task.val else "")
-                     + f" (longest {task.prompt_length} tokens"
-                     + (f"; {task.train.dropped} longer ones left out"
-                        if task.train.dropped else "")
-                     + (f"; {task.train.truncated} truncated" if task.train.truncated else "")
-                     + f"), tokenizer {task.tokenizer_directory}")
+            self._say_data()
         if self.resume_from is not None:
             first = self.restore(self.resume_from)
             self.say(f"resumed from {self.resume_from} after iteration {first}")
@@ -429,7 +236,6 @@ class RunSession:
             self.warm_up()
             first = 0
         self.tokenizer_files = hf_tokenizer_files(self.task) if job.data is not None else {}
-        self.writer = None
         if options.log_tensorboard and options.out is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -446,38 +252,43 @@ class RunSession:
             if not done:
                 break
             iteration += 1
-        if options.save_hf is not None or options.save_hf_critic is not None:
-            try:
-                self.save_hf_checkpoints()
-            except WorkerFailedError as failure:
-                self.fail(failure, len(self.metrics))
-            for role, directory in (("actor", options.save_hf),
-                                    ("critic", options.save_hf_critic)):
-                if directory is not None:
-                    self.say(f"{role} written as a Hugging Face checkpoint to {directory}")
+        self._export_at_the_end()
         if self.writer is not None:
             self.writer.close()
         seconds = time.time() - self.started_at
         self.write_records()
-        return RunResult(rows=self.rows, metrics=self.metrics, out=options.out,
+        return RunResult(rows=self.ledger.rows, metrics=self.ledger.metrics, out=options.out,
                          seconds=seconds)
+
+    def _export_at_the_end(self) -> None:
+        options = self.options
+        if options.save_hf is None and options.save_hf_critic is None:
+            return
+        try:
+            self.save_hf_checkpoints()
+        except WorkerFailedError as failure:
+            self.fail(failure, self.ledger.finished)
+        for role, directory in (("actor", options.save_hf),
+                                ("critic", options.save_hf_critic)):
+            if directory is not None:
+                self.say(f"{role} written as a Hugging Face checkpoint to {directory}")
 
     def warm_up(self) -> None:
         """Fit the reward (and cost) models to the built-in task's rules before RL."""
-        from executor.drivers import fit_reward_model
-
-        ctx, options, work = self.ctx, self.options, self.job.workload
+        ctx, options, work = self.workers.ctx, self.options, self.job.workload
         if ctx.reward_from_model and options.reward_warmup_steps > 0 and self.task.has_rule:
-            self.warmup = fit_reward_model(ctx, options.reward_warmup_steps,
-                                           work.prompts_per_iteration)
-            self.say(f"reward model fitted to the rule: loss {self.warmup[0]:.4f} -> "
-                     f"{self.warmup[-1]:.4f}")
+            losses = fit_reward_model(ctx, options.reward_warmup_steps,
+                                      work.prompts_per_iteration)
+            self.ledger.reward_warmup_losses = losses
+            self.say(f"reward model fitted to the rule: loss {losses[0]:.4f} -> "
+                     f"{losses[-1]:.4f}")
         if ctx.cost_from_model and options.reward_warmup_steps > 0 and self.task.has_rule:
-            self.cost_warmup = fit_reward_model(ctx, options.reward_warmup_steps,
-                                                work.prompts_per_iteration, role="cost")
-            self.say(f"cost model fitted to the rule: loss {self.cost_warmup[0]:.4f} -> "
-                     f"{self.cost_warmup[-1]:.4f}")
-        self.records.clear()
+            losses = fit_reward_model(ctx, options.reward_warmup_steps,
+                                      work.prompts_per_iteration, role="cost")
+            self.ledger.cost_warmup_losses = losses
+            self.say(f"cost model fitted to the rule: loss {losses[0]:.4f} -> "
+                     f"{losses[-1]:.4f}")
+        self.workers.records.clear()
 
     def held_out(self) -> Any:
         work = self.job.workload
@@ -488,28 +299,25 @@ class RunSession:
     def iterate(self, iteration: int) -> bool:
         """One iteration, its records, and what follows it (a checkpoint, a validation, a
         Hugging Face export); False when the data is used up."""
-        from executor.data import DataExhaustedError
-        from executor.drivers import run_iteration, validation_scores
-        from executor.records import measurement_rows
-
-        options, plan = self.options, self.plan
-        self.records.clear()
+        options, plan, workers = self.options, self.plan, self.workers
+        workers.records.clear()
         start = time.time()
         position = self.task.cursor.state if self.job.data is not None else None
         try:
-            summary = run_iteration(self.ctx, self.job.algorithm, iteration)
+            summary = run_iteration(workers.ctx, self.job.algorithm, iteration)
         except DataExhaustedError as exhausted:
             self.say(f"{exhausted}: the run ends after {iteration} iteration(s)")
             return False
         end = time.time()
-        rows = measurement_rows(list(self.records), iteration, plan, self.origin,
+        rows = measurement_rows(list(workers.records), iteration, plan, self.started_at,
                                 self.backends)
-        tokens = sum(r.tokens for r in self.records if r.operation == "generate")
+        tokens = sum(r.tokens for r in workers.records if r.operation == "generate")
         rows.append({"iteration": iteration, "node": "iteration", "role": "controller",
                      "operation": "iteration", "location": -1, "set": "controller",
                      "gpus": plan_gpus(plan), "parallel": plan.placement,
                      "sequences": 0, "tokens": tokens,
-                     "start_seconds": start - self.origin, "end_seconds": end - self.origin,
+                     "start_seconds": start - self.started_at,
+                     "end_seconds": end - self.started_at,
                      "wall_seconds": end - start, "compute_seconds": None,
                      "dispatch_seconds": None})
         metric = {"iteration": iteration, "seconds": end - start, **summary,
@@ -523,61 +331,72 @@ class RunSession:
             self.save_hf_checkpoints()
         if options.validate_every and ((iteration + 1) % options.validate_every == 0
                                        or iteration + 1 == options.steps):
-            metric.update(validation_scores(self.ctx, self.held_out(), iteration))
-        # The iteration counts once all of it has run (a failure above repeats it whole).
-        self.rows.extend(rows)
-        self.metrics.append(metric)
-        if self.writer is not None:
-            for name, value in metric.items():
-                if isinstance(value, (int, float)) and name != "iteration":
-                    self.writer.add_scalar(name, value, iteration)
-            self.writer.flush()
+            metric.update(validation_scores(workers.ctx, self.held_out(), iteration))
+        self.ledger.finish_iteration(rows, metric)
+        self._log_scalars(metric, iteration)
         if options.checkpoint_every and options.out is not None and \
                 ((iteration + 1) % options.checkpoint_every == 0
                  or iteration + 1 == options.steps):
             self.save_checkpoint(iteration + 1)
+        self._say_iteration(iteration, end - start, summary, metric)
+        return True
+
+    def _log_scalars(self, metric: dict[str, Any], iteration: int) -> None:
+        """The iteration's numbers to TensorBoard, when it is on."""
+        if self.writer is None:
+            return
+        for name, value in metric.items():
+            if isinstance(value, (int, float)) and name != "iteration":
+                self.writer.add_scalar(name, value, iteration)
+        self.writer.flush()
+
+    def _say_iteration(self, iteration: int, seconds: float, summary: dict[str, Any],
+                       metric: dict[str, Any]) -> None:
+        steps = self.options.steps
         constraint = (f", cost {summary['rule_cost']:.2f}, lambda {summary['lambda']:.3f}"
                       if "lambda" in summary else "")
-        done = len(self.metrics)
-        remaining = (time.time() - self.origin) / max(done, 1) * (options.steps - iteration - 1)
+        done = self.ledger.finished
+        remaining = (time.time() - self.started_at) / max(done, 1) * (steps - iteration - 1)
         validation = (f", validation {metric['val_score']:.3f}"
                       if "val_score" in metric else "")
-        self.say(f"iteration {iteration + 1}/{options.steps}: {end - start:.2f} s, score "
+        self.say(f"iteration {iteration + 1}/{steps}: {seconds:.2f} s, score "
                  f"{summary['rule_score']:.3f}, solved {summary['solved']:.2f}{constraint}"
                  f"{validation}"
                  f"{f', about {remaining:.0f} s to go' if remaining >= 1 else ''}")
-        return True
 
     def recover(self, failure: Exception, iteration: int) -> int:
         """After a worker failed in ``iteration``: restart the worker groups from the last
         checkpoint (or the start) and return the iteration to run next; or, when the
         restarts are used up, write the records and fail."""
-        if len(self.restarts) >= self.options.max_restarts:
-            if self.restarts:
-                self.say(f"a worker failed again after {len(self.restarts)} restart(s)")
+        restarts = self.ledger.restarts
+        if len(restarts) >= self.options.max_restarts:
+            if restarts:
+                self.say(f"a worker failed again after {len(restarts)} restart(s)")
             self.fail(failure, iteration)
         detected = time.time()
-        checkpoint = self.last_checkpoint
+        checkpoint = self.store.last
         self.say(f"worker failure in iteration {iteration + 1}: {failure}; restarting the "
                  f"workers from {checkpoint or 'the start'}")
-        self.stop_workers(graceful=False)
-        self.start_workers()
+        self.workers.kill = True
+        self.workers.stop()
+        self.workers.kill = False
+        self.workers.start(self.options, self.task)
         if checkpoint is not None:
             restored = self.restore(checkpoint)
         else:  # no checkpoint yet: the run starts over, as a fresh run would
             restored = 0
-            self.rows, self.metrics = [], []
+            self.ledger.start_over()
             self.warm_up()
             if self.job.data is not None:
                 self.task.cursor.restore({**self.task.cursor.state, "epoch": 0, "offset": 0})
-        self.restarts.append({
+        restart_seconds = time.time() - detected
+        restarts.append({
             "iteration": iteration, "cause": str(failure),
             "restored_to_iteration": restored,
             "checkpoint": str(checkpoint) if checkpoint else None,
             # The work since the checkpoint is done again, plus the restart itself.
-            "seconds_lost": time.time() - self.last_checkpoint_time,
-            "restart_seconds": time.time() - detected})
-        self.last_checkpoint_time = time.time()
+            "seconds_lost": self.store.restarted(),
+            "restart_seconds": restart_seconds})
         self.write_records()
         return restored
 
@@ -589,9 +408,9 @@ class RunSession:
         for role, directory in (("actor", self.options.save_hf),
                                 ("critic", self.options.save_hf_critic)):
             if directory is not None:
-                self.handles[role].save_hf(Batch(meta={
+                self.workers.handles[role].save_hf(Batch(meta={
                     "directory": str(directory), "files": self.tokenizer_files})).result()
-        self.records.clear()
+        self.workers.records.clear()
 
 
 def check_plan(job: JobSpec, plan: Plan, options: ExecutionOptions) -> dict[str, Any]:

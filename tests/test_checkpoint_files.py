@@ -16,7 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from executor.checkpoint import DataOnlyReader, MetadataUnpickler  # noqa: E402
-from executor.session import checkpoint_directories, read_controller_state  # noqa: E402
+from executor.run_checkpoints import (  # noqa: E402
+    checkpoint_directories,
+    read_controller_state,
+)
 from profiles.datafile import SpecError  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 

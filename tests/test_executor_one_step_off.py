@@ -65,11 +65,12 @@ class CheckedSession(RunSession):
 
     def iterate(self, iteration: int) -> bool:
         done = super().iterate(iteration)
-        trainer, rollout = self.groups[0], self.groups[-1]
+        ray, groups = self.workers.ray, self.workers.groups
+        trainer, rollout = groups[0], groups[-1]
         # Every trainer rank takes part in gathering the FSDP shards; rank 0's copy is read.
-        trained = self.ray.get([w.call.remote("actor", "whole_weights", None)
+        trained = ray.get([w.call.remote("actor", "whole_weights", None)
                                 for w in trainer.workers])[0][0]
-        rollouts = [got for got, _ in self.ray.get(
+        rollouts = [got for got, _ in ray.get(
             [w.call.remote("rollout", "whole_weights", None) for w in rollout.workers])]
         self.differences.append(sorted(
             name for got in rollouts for name in trained
