@@ -408,6 +408,94 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     ``set_offload_seconds`` what moving it out and back costs, charged to the first
     generation of the iteration).
     """
+    sequences = node_sequences(job, node)
+    tokens = sequences * job.workload.mean_sequence_tokens()
+    if node.operation == "generate" and job.generation_elsewhere:
+        return NodeEstimate(name=node.name, role=node.role, operation="generate",
+                            location=location, seconds=0.0, sequences=sequences, tokens=tokens)
+    if node.operation == "generate":
+        return _generate_node(job, node, role_plan, location=location,
+                              set_resident_bytes=set_resident_bytes, resident=resident,
+                              set_offload=set_offload, set_offload_seconds=set_offload_seconds,
+                              set_offload_out_seconds=set_offload_out_seconds,
+                              dedicated=dedicated, stream=stream)
+    if node.operation == "infer":
+        return _infer_node(job, node, role_plan, location=location)
+    return _train_node(job, node, role_plan, location=location, freed_grads=freed_grads)
+
+
+def _generate_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
+                   set_resident_bytes: float, resident: MemoryBreakdown | None,
+                   set_offload: MemoryBreakdown | None, set_offload_seconds: float,
+                   set_offload_out_seconds: float, dedicated: bool,
+                   stream: bool) -> NodeEstimate:
+    """``model_node`` of a generate node: the engine's decode under the KV cache the set's
+    memory leaves, and its sleep / wake cycle."""
+    profile = job.cluster.profile()
+    work = job.workload
+    dtype = work.dtype
+    sequences = node_sequences(job, node)
+    tokens = sequences * work.mean_sequence_tokens()
+    role = node.role
+    model = job.model(role)
+    par = role_plan.parallel
+    gen = role_plan.generation
+    if gen is None:
+        raise SpecError("the actor needs a generation config", key=f"roles.{role}")
+    own = resident if resident is not None else role_state(job, role, par)[0]
+    offloaded = set_offload or MemoryBreakdown()
+    first = node.name == first_generate_node(job)
+    if not first:
+        set_offload_seconds = 0.0
+    replicas = gen.replicas(par)
+    lengths = generation_lengths(job, node, replicas)
+    if stream:
+        lengths = ReplicaBatch(
+            LengthDistribution.fixed(max(1, round(lengths.distribution.mean_tokens()))),
+            lengths.total_sequences, replicas)
+    engine_weights = generation_weight_bytes(model, gen, dtype)
+    extra_weights = extra_generation_weights(job, engine_weights, own.params)
+    workspace = workspace_bytes(model, gen, dtype)
+    budget = kv_budget_bytes(job, gen, engine_weights=engine_weights, workspace=workspace,
+                             resident_during=set_resident_bytes - offloaded.total,
+                             extra_weights=extra_weights)
+    rollout = job.rollout
+    cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
+                    kv_budget_bytes=budget, dtype=dtype, gpus_per_node=job.cluster.gpus_per_node,
+                    cuda_graphs=rollout.cuda_graphs,
+                    host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
+    sleep, wake = generation_sleep_wake_seconds(job, model, gen, dedicated=dedicated)
+    cycle = profile.overheads.operation_seconds + sleep + wake
+    slowdown = host_slowdown(job, par.world_size)
+    return NodeEstimate(
+        name=node.name, role=role, operation="generate", location=location,
+        seconds=(cost.seconds + cycle) * slowdown + set_offload_seconds,
+        sequences=sequences,
+        tokens=tokens,
+        transient=MemoryBreakdown(params=extra_weights, kv_cache=cost.memory.kv_cache,
+                                  activations=cost.memory.activations),
+        detail={"prefill_seconds": cost.prefill_seconds,
+                "decode_seconds": cost.decode_seconds,
+                "fixed_seconds": cycle,
+                "sleep_seconds": sleep,
+                "wake_seconds": wake,
+                "offload_seconds": set_offload_seconds,
+                "offload_out_seconds": set_offload_out_seconds if first else 0.0,
+                "decode_steps": float(cost.decode_steps),
+                "max_running": float(cost.max_running),
+                "kv_capacity_tokens": cost.kv_capacity_tokens,
+                "kv_budget_bytes": budget,
+                "held_engine_bytes": held_engine_bytes(
+                    job, gen, extra_weights=extra_weights, kv_budget_bytes=budget,
+                    workspace=workspace),
+                "replicas": float(replicas),
+                "generated_tokens_per_replica": float(cost.generated_tokens)},
+        feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
+
+
+def _infer_node(job: JobSpec, node: Node, role_plan: RolePlan, *,
+                location: int) -> NodeEstimate:
+    """``model_node`` of a forward-only pass (log-probs, values, scores)."""
     profile = job.cluster.profile()
     gpn = job.cluster.gpus_per_node
     work = job.workload
@@ -420,99 +508,61 @@ def model_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
     model = job.model(role)
     par = role_plan.parallel
     value_head = role in VALUE_HEAD_ROLES
-    if node.operation == "generate" and job.generation_elsewhere:
-        return NodeEstimate(name=node.name, role=role, operation="generate", location=location,
-                            seconds=0.0, sequences=sequences, tokens=tokens)
-    if node.operation == "generate":
-        gen = role_plan.generation
-        if gen is None:
-            raise SpecError("the actor needs a generation config", key=f"roles.{role}")
-        own = resident if resident is not None else role_state(job, role, par)[0]
-        offloaded = set_offload or MemoryBreakdown()
-        first = node.name == first_generate_node(job)
-        if not first:
-            set_offload_seconds = 0.0
-        replicas = gen.replicas(par)
-        lengths = generation_lengths(job, node, replicas)
-        if stream:
-            lengths = ReplicaBatch(
-                LengthDistribution.fixed(max(1, round(lengths.distribution.mean_tokens()))),
-                lengths.total_sequences, replicas)
-        engine_weights = generation_weight_bytes(model, gen, dtype)
-        extra_weights = extra_generation_weights(job, engine_weights, own.params)
-        workspace = workspace_bytes(model, gen, dtype)
-        budget = kv_budget_bytes(job, gen, engine_weights=engine_weights, workspace=workspace,
-                                 resident_during=set_resident_bytes - offloaded.total,
-                                 extra_weights=extra_weights)
-        rollout = job.rollout
-        cost = generate(model, profile, gen, lengths=lengths, prompt_len=work.prompt_length,
-                        kv_budget_bytes=budget, dtype=dtype, gpus_per_node=gpn,
-                        cuda_graphs=rollout.cuda_graphs,
-                        host_seconds_per_sequence=rollout.decode_host_seconds_per_sequence)
-        sleep, wake = generation_sleep_wake_seconds(job, model, gen, dedicated=dedicated)
-        cycle = profile.overheads.operation_seconds + sleep + wake
-        slowdown = host_slowdown(job, par.world_size)
-        return NodeEstimate(
-            name=node.name, role=role, operation="generate", location=location,
-            seconds=(cost.seconds + cycle) * slowdown + set_offload_seconds,
-            sequences=sequences,
-            tokens=tokens,
-            transient=MemoryBreakdown(params=extra_weights, kv_cache=cost.memory.kv_cache,
-                                      activations=cost.memory.activations),
-            detail={"prefill_seconds": cost.prefill_seconds,
-                    "decode_seconds": cost.decode_seconds,
-                    "fixed_seconds": cycle,
-                    "sleep_seconds": sleep,
-                    "wake_seconds": wake,
-                    "offload_seconds": set_offload_seconds,
-                    "offload_out_seconds": set_offload_out_seconds if first else 0.0,
-                    "decode_steps": float(cost.decode_steps),
-                    "max_running": float(cost.max_running),
-                    "kv_capacity_tokens": cost.kv_capacity_tokens,
-                    "kv_budget_bytes": budget,
-                    "held_engine_bytes": held_engine_bytes(
-                        job, gen, extra_weights=extra_weights, kv_budget_bytes=budget,
-                        workspace=workspace),
-                    "replicas": float(replicas),
-                    "generated_tokens_per_replica": float(cost.generated_tokens)},
-            feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
     training = job.framework_profile.training
-    if node.operation == "infer":
-        packed = packed_batch(job, par, sequences=math.ceil(sequences),
-                              micro_batch_size=work.infer_micro_batch_size,
-                              budget_tokens=par.infer_micro_batch_tokens)
-        logits_bytes = forward_logits_bytes(training, role_plan, entropy=role == "actor")
-        cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
-                            seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
-                            dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                            packed=packed,
-                            logprob_bytes=training.logprob_forward_bytes_per_vocab_entry,
-                            logits_bytes_per_entry=logits_bytes,
-                            cp_exchange=training.context_parallel_exchange)
-        activations = cost.activations_bytes
-        if max_tokens != mean_tokens or packed is not None:
-            activations = forward_pass(
-                model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
-                micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
-                gpus_per_node=gpn, packed=full_bin(packed),
-                logits_bytes_per_entry=logits_bytes).activations_bytes
-        fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
-                 + profile.overheads.operation_seconds)
-        swap = reference_swap_seconds(job, par) if (
-            role == "ref" and job.reference_on_host) else 0.0
-        loaded, copies = call_offload_seconds(job, role, par, "infer")
-        dispatch = dispatch_seconds(job, node, par, sequences)
-        # A swapped-in reference takes the place of the actor's weights (which wait in host
-        # memory): the set's resident state already counts one set of weights.
-        return NodeEstimate(
-            name=node.name, role=role, operation="infer", location=location,
-            seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap
-            + dispatch + copies,
-            sequences=sequences, tokens=tokens,
-            transient=MemoryBreakdown(activations=activations) + loaded,
-            detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
-                    "swap_seconds": swap, "dispatch_seconds": dispatch,
-                    "offload_copy_seconds": copies})
+    packed = packed_batch(job, par, sequences=math.ceil(sequences),
+                          micro_batch_size=work.infer_micro_batch_size,
+                          budget_tokens=par.infer_micro_batch_tokens)
+    logits_bytes = forward_logits_bytes(training, role_plan, entropy=role == "actor")
+    cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
+                        seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
+                        dtype=dtype, value_head=value_head, gpus_per_node=gpn,
+                        packed=packed,
+                        logprob_bytes=training.logprob_forward_bytes_per_vocab_entry,
+                        logits_bytes_per_entry=logits_bytes,
+                        cp_exchange=training.context_parallel_exchange)
+    activations = cost.activations_bytes
+    if max_tokens != mean_tokens or packed is not None:
+        activations = forward_pass(
+            model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
+            micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
+            gpus_per_node=gpn, packed=full_bin(packed),
+            logits_bytes_per_entry=logits_bytes).activations_bytes
+    fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
+             + profile.overheads.operation_seconds)
+    swap = reference_swap_seconds(job, par) if (
+        role == "ref" and job.reference_on_host) else 0.0
+    loaded, copies = call_offload_seconds(job, role, par, "infer")
+    dispatch = dispatch_seconds(job, node, par, sequences)
+    # A swapped-in reference takes the place of the actor's weights (which wait in host
+    # memory): the set's resident state already counts one set of weights.
+    return NodeEstimate(
+        name=node.name, role=role, operation="infer", location=location,
+        seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap
+        + dispatch + copies,
+        sequences=sequences, tokens=tokens,
+        transient=MemoryBreakdown(activations=activations) + loaded,
+        detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
+                "swap_seconds": swap, "dispatch_seconds": dispatch,
+                "offload_copy_seconds": copies})
+
+
+def _train_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
+                freed_grads: float) -> NodeEstimate:
+    """``model_node`` of an update: every optimizer step of the node's epochs and
+    mini-batches."""
+    profile = job.cluster.profile()
+    gpn = job.cluster.gpus_per_node
+    work = job.workload
+    dtype = work.dtype
+    mean_tokens = work.mean_sequence_tokens()
+    max_tokens = float(work.max_sequence_tokens)
+    sequences = node_sequences(job, node)
+    tokens = sequences * mean_tokens
+    role = node.role
+    model = job.model(role)
+    par = role_plan.parallel
+    value_head = role in VALUE_HEAD_ROLES
+    training = job.framework_profile.training
     steps = work.ppo_epochs * work.mini_batches_per_epoch
     batch = math.ceil(sequences / work.mini_batches_per_epoch)
     if node.pretrain_loss:

@@ -25,6 +25,7 @@ from simulator.costs.primitives import (
 from simulator.costs.transformer import (
     LOSS_BYTES_PER_VOCAB_ENTRY,
     AttentionImpl,
+    LayerCost,
     embedding_seconds,
     head_forward_seconds,
     layer_cost,
@@ -183,7 +184,6 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     forward and backward; ``logits_bytes_per_entry``: bytes the loss holds per token and
     vocabulary entry; ``cp_exchange``: how context-parallel ranks exchange keys and values,
     ``layout_ring_seconds``)."""
-    b = DTYPE_BYTES[dtype]
     mbs: float = par.micro_batch_size
     micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
     if packed is not None:
@@ -214,22 +214,87 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     body_compute = layers_per_stage * (forward + backward + recompute_extra)
     body_tp = layers_per_stage * (layer.tp_training_forward_seconds
                                   + layer.tp_backward_seconds)
+    ulysses, ring_forward, ring_backward = _sequence_split_seconds(
+        model, profile, par, layer, tokens=tokens, mbs=mbs, dtype=dtype,
+        compute_scale=compute_scale, gpus_per_node=gpus_per_node, cp_exchange=cp_exchange)
     # Ulysses: the forward's two all-to-alls, the backward's two, and the forward's again
-    # under full recompute.
+    # under full recompute. Context parallelism: the ring exchange forward and backward, and
+    # the forward's again when recompute repeats attention.
+    body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
+    body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
+                                   + ring_backward)
+    first_extra, last_extra = _stage_end_seconds(
+        model, profile, par, tokens=tokens, dtype=dtype, value_head=value_head,
+        compute_scale=compute_scale, logprob_bytes=logprob_bytes, tp_cross=tp_cross)
+    fsdp_exposed = _fsdp_exposed_seconds(
+        model, profile, par, layer, forward=forward, backward=backward,
+        recompute_extra=recompute_extra, dtype=dtype, gpus_per_node=gpus_per_node)
+
+    stage_time = body_compute + body_tp + fsdp_exposed
+    pipeline, bubble = _pipeline_seconds(par, micro_batches, stage_time, first_extra,
+                                         last_extra)
+    p2p_total = _pipeline_p2p_seconds(model, profile, par, tokens=tokens, dtype=dtype,
+                                      micro_batches=micro_batches,
+                                      gpus_per_node=gpus_per_node)
+    dp_comm = _gradient_reduction_seconds(
+        model, profile, par, value_head=value_head, grad_bytes=grad_bytes, dtype=dtype,
+        gpus_per_node=gpus_per_node,
+        backward_window=layers_per_stage * (backward + recompute_extra))
+
+    optimizer_params = optimizer_sharded_params(model, par, value_head=value_head)
+    if par.sharding == "fsdp":
+        optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
+    optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,
+                                       kernels=4)
+
+    seconds = (pipeline + p2p_total + dp_comm + optimizer_seconds
+               + profile.overheads.iteration_seconds)
+    memory = _training_memory(model, par, layer, value_head=value_head, dtype=dtype,
+                              grad_bytes=grad_bytes, micro_batches=micro_batches,
+                              layers_per_stage=layers_per_stage, tokens=tokens,
+                              logits_bytes_per_entry=logits_bytes_per_entry)
+    flops = global_batch * model_flops_per_sequence(model, seq_len, value_head=value_head)
+    return TrainingCost(
+        seconds=seconds,
+        memory=memory,
+        breakdown={
+            "compute": micro_batches * (body_compute + max(first_extra, last_extra)),
+            "tp_comm": micro_batches * body_tp,
+            "fsdp_comm_exposed": micro_batches * fsdp_exposed,
+            "pipeline_bubble": bubble,
+            "p2p": p2p_total,
+            "dp_comm": dp_comm,
+            "optimizer": optimizer_seconds,
+        },
+        model_flops=flops,
+        micro_batches=micro_batches,
+    )
+
+
+def _sequence_split_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig,
+                            layer: LayerCost, *, tokens: float, mbs: float, dtype: str,
+                            compute_scale: float, gpus_per_node: int, cp_exchange: str,
+                            ) -> tuple[float, float, float]:
+    """One layer's communication for a sequence split over ranks, per micro-batch: Ulysses'
+    forward all-to-alls, and the context-parallel ring's exchange (forward, backward) beyond
+    what attention hides."""
     ulysses = ulysses_forward_seconds(model, profile, tokens=tokens, tp=par.tp, sp=par.ulysses,
                                       dtype=dtype, gpus_per_node=gpus_per_node,
                                       busy_ranks_per_node=par.world_size)
-    body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
-    # Context parallelism: the ring exchange of keys and values beyond what attention hides,
-    # forward and backward, and the forward's again when recompute repeats attention.
     ring_forward, ring_backward = layout_ring_seconds(
         model, profile, par, tokens=tokens, dtype=dtype,
         attention_seconds=layer.attention_core_seconds * compute_scale,
         gpus_per_node=gpus_per_node, exchange=cp_exchange,
         sequences_per_micro_batch=mbs * par.ulysses * par.cp)
-    body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
-                                   + ring_backward)
+    return ulysses, ring_forward, ring_backward
 
+
+def _stage_end_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
+                       tokens: float, dtype: str, value_head: bool, compute_scale: float,
+                       logprob_bytes: tuple[float, float], tp_cross: bool,
+                       ) -> tuple[float, float]:
+    """(first stage's extra seconds, last stage's) per micro-batch: the embedding, and the
+    output head with its loss; one stage holds both when pp = 1."""
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \
         * compute_scale
@@ -251,70 +316,92 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     first_extra += vocab_comm / (2 if par.pp > 1 else 1)
     last_extra += vocab_comm / 2 if par.pp > 1 else 0.0
     if par.pp == 1:
-        first_extra += last_extra
-        last_extra = 0.0
+        return first_extra + last_extra, 0.0
+    return first_extra, last_extra
 
-    fsdp_exposed = 0.0
-    if par.sharding == "fsdp" and par.dp > 1:
-        shard_span = fsdp_group_span(par, gpus_per_node)
-        layer_weights = model.params_per_layer / par.tp * b
-        layer_grads = model.params_per_layer / par.tp * MAIN_GRAD_BYTES
-        gather = all_gather_seconds(profile, layer_weights, par.fsdp_shards, span=shard_span,
-                                    correction=TRAIN)
-        scatter = reduce_scatter_seconds(profile, layer_grads, par.fsdp_shards,
-                                         span=shard_span, correction=TRAIN)
-        # Hybrid sharding: each layer's reduce-scattered gradient shard is then all-reduced
-        # over the groups that hold the same shard (FSDP2's all-reduce over the replicate
-        # dimension of its 2-D mesh, after the reduce-scatter).
-        replicate = all_reduce_seconds(profile, layer_grads / par.fsdp_shards,
-                                       par.fsdp_replicas,
-                                       span=fsdp_replica_span(par, gpus_per_node),
-                                       correction=TRAIN) if par.fsdp_replicas > 1 else 0.0
-        fwd_comm = gather
-        bwd_comm = gather + scatter + replicate
-        fwd_compute = forward + layer.tp_training_forward_seconds
-        bwd_compute = backward + layer.tp_backward_seconds + recompute_extra
-        # On a CPU the collectives run on the cores that compute: nothing overlaps.
-        if par.overlap_param_gather and profile.kind == "gpu":
-            # Prefetching hides a layer's communication behind the previous layer's compute.
-            per_layer_exposed = (max(0.0, fwd_comm - fwd_compute)
-                                 + max(0.0, bwd_comm - bwd_compute))
-            fsdp_exposed = model.layers * per_layer_exposed + fwd_comm + bwd_comm
-        else:
-            fsdp_exposed = model.layers * (fwd_comm + bwd_comm)
-        fsdp_exposed += 2 * model.layers * profile.overheads.fsdp_unit_seconds
 
-    stage_time = body_compute + body_tp + fsdp_exposed
+def _fsdp_exposed_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig,
+                          layer: LayerCost, *, forward: float, backward: float,
+                          recompute_extra: float, dtype: str, gpus_per_node: int) -> float:
+    """FSDP's per-layer all-gathers and reduce-scatters (and, hybrid-sharded, the
+    all-reduce over replicas) a micro-batch does not hide behind compute, plus its fixed
+    per-unit costs; 0 without FSDP."""
+    if par.sharding != "fsdp" or par.dp <= 1:
+        return 0.0
+    b = DTYPE_BYTES[dtype]
+    shard_span = fsdp_group_span(par, gpus_per_node)
+    layer_weights = model.params_per_layer / par.tp * b
+    layer_grads = model.params_per_layer / par.tp * MAIN_GRAD_BYTES
+    gather = all_gather_seconds(profile, layer_weights, par.fsdp_shards, span=shard_span,
+                                correction=TRAIN)
+    scatter = reduce_scatter_seconds(profile, layer_grads, par.fsdp_shards,
+                                     span=shard_span, correction=TRAIN)
+    # Hybrid sharding: each layer's reduce-scattered gradient shard is then all-reduced
+    # over the groups that hold the same shard (FSDP2's all-reduce over the replicate
+    # dimension of its 2-D mesh, after the reduce-scatter).
+    replicate = all_reduce_seconds(profile, layer_grads / par.fsdp_shards,
+                                   par.fsdp_replicas,
+                                   span=fsdp_replica_span(par, gpus_per_node),
+                                   correction=TRAIN) if par.fsdp_replicas > 1 else 0.0
+    fwd_comm = gather
+    bwd_comm = gather + scatter + replicate
+    fwd_compute = forward + layer.tp_training_forward_seconds
+    bwd_compute = backward + layer.tp_backward_seconds + recompute_extra
+    # On a CPU the collectives run on the cores that compute: nothing overlaps.
+    if par.overlap_param_gather and profile.kind == "gpu":
+        # Prefetching hides a layer's communication behind the previous layer's compute.
+        per_layer_exposed = (max(0.0, fwd_comm - fwd_compute)
+                             + max(0.0, bwd_comm - bwd_compute))
+        exposed = model.layers * per_layer_exposed + fwd_comm + bwd_comm
+    else:
+        exposed = model.layers * (fwd_comm + bwd_comm)
+    return exposed + 2 * model.layers * profile.overheads.fsdp_unit_seconds
+
+
+def _pipeline_seconds(par: ParallelConfig, micro_batches: int, stage_time: float,
+                      first_extra: float, last_extra: float) -> tuple[float, float]:
+    """(seconds of the micro-batches through the pipeline, of which the bubble)."""
     slowest_stage = stage_time + max(first_extra, last_extra)
     if par.pp == 1:
-        pipeline = micro_batches * slowest_stage
-        bubble = 0.0
-    elif par.vpp > 1:
+        return micro_batches * slowest_stage, 0.0
+    if par.vpp > 1:
         # Interleaved 1F1B: the bubble shrinks by the number of virtual stages.
         bubble = (par.pp - 1) * stage_time / par.vpp + first_extra + last_extra
-        pipeline = micro_batches * slowest_stage + bubble
     else:
         # 1F1B: (m - 1) steps at the pace of the slowest stage, plus one pass through all.
         bubble = (par.pp - 1) * stage_time + first_extra + last_extra - max(first_extra,
                                                                              last_extra)
-        pipeline = micro_batches * slowest_stage + bubble
+    return micro_batches * slowest_stage + bubble, bubble
 
-    p2p_total = 0.0
-    if par.pp > 1:
-        world_cross = par.world_size > gpus_per_node
-        sp_div = par.tp if par.sequence_parallel and par.tp > 1 else 1
-        # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank; every
-        # rank of a stage sends at once, sharing its node's NICs.
-        message = tokens * model.hidden * b / max(sp_div, par.tp)
-        one = p2p_seconds(profile, message, world_cross, busy_ranks_per_node=par.tp * par.dp,
-                          gpus_per_node=gpus_per_node)
-        p2p_total = 2 * one * (micro_batches + par.pp - 1) * par.vpp
 
-    # Gradient reduction over data-parallel replicas (FSDP already reduce-scattered).
-    local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
-                                     ep=par.ep, etp=par.etp)
+def _pipeline_p2p_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
+                          tokens: float, dtype: str, micro_batches: int,
+                          gpus_per_node: int) -> float:
+    """Activations and their gradients between pipeline stages, every micro-batch."""
+    if par.pp <= 1:
+        return 0.0
+    world_cross = par.world_size > gpus_per_node
+    sp_div = par.tp if par.sequence_parallel and par.tp > 1 else 1
+    # Megatron's scatter/gather optimisation sends 1/tp of the activation per rank; every
+    # rank of a stage sends at once, sharing its node's NICs.
+    message = tokens * model.hidden * DTYPE_BYTES[dtype] / max(sp_div, par.tp)
+    one = p2p_seconds(profile, message, world_cross, busy_ranks_per_node=par.tp * par.dp,
+                      gpus_per_node=gpus_per_node)
+    return 2 * one * (micro_batches + par.pp - 1) * par.vpp
+
+
+def _gradient_reduction_seconds(model: ModelSpec, profile: DeviceProfile,
+                                par: ParallelConfig, *, value_head: bool, grad_bytes: int,
+                                dtype: str, gpus_per_node: int,
+                                backward_window: float) -> float:
+    """Gradient reduction over data-parallel replicas (FSDP already reduce-scattered), less
+    what overlaps the backward (``backward_window`` seconds) on GPUs; and the tied
+    embedding's all-reduce between the first and last stage."""
+    b = DTYPE_BYTES[dtype]
     dp_comm = 0.0
     if par.sharding != "fsdp":
+        local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
+                                         ep=par.ep, etp=par.etp)
         # Dense parameters reduce over the dp replicas, routed experts over theirs
         # (expert_dp ranks spaced ep * etp apart).
         expert_params = stage_expert_param_count(model, pp=par.pp, ep=par.ep, etp=par.etp)
@@ -334,23 +421,19 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
                 dp_comm += all_reduce_seconds(profile, params * grad_bytes, group, span=span,
                                               correction=TRAIN)
         if par.overlap_grad_reduce and profile.kind == "gpu":
-            window = layers_per_stage * (backward + recompute_extra)
-            dp_comm = max(0.0, dp_comm - window)
+            dp_comm = max(0.0, dp_comm - backward_window)
     if par.pp > 1 and model.tied_embeddings and not value_head:
         # Tied embedding gradients are all-reduced between the first and last stage.
         dp_comm += all_reduce_seconds(profile, model.vocab * model.hidden / par.tp
                                       * grad_bytes, 2, par.world_size > gpus_per_node)
+    return dp_comm
 
-    optimizer_params = optimizer_sharded_params(model, par, value_head=value_head)
-    if par.sharding == "fsdp":
-        optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
-    optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,
-                                       kernels=4)
 
-    seconds = (pipeline + p2p_total + dp_comm + optimizer_seconds
-               + profile.overheads.iteration_seconds)
-
-    # Memory: resident states plus the activations in flight on the most loaded stage.
+def _training_memory(model: ModelSpec, par: ParallelConfig, layer: LayerCost, *,
+                     value_head: bool, dtype: str, grad_bytes: int, micro_batches: int,
+                     layers_per_stage: int, tokens: float,
+                     logits_bytes_per_entry: float) -> MemoryBreakdown:
+    """Resident states plus the activations in flight on the most loaded stage."""
     resident = optimizer_memory(model, par, value_head=value_head, trainable=True, dtype=dtype,
                                 grad_bytes=grad_bytes)
     in_flight = min(par.pp, micro_batches)
@@ -362,25 +445,8 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     last_stage_acts = layers_per_stage * layer.activation_bytes + logits
     activations = first_stage_acts if par.pp > 1 else first_stage_acts + logits
     activations = max(activations, last_stage_acts)
-    memory = MemoryBreakdown(params=resident.params, grads=resident.grads,
-                             optimizer=resident.optimizer, activations=activations)
-
-    flops = global_batch * model_flops_per_sequence(model, seq_len, value_head=value_head)
-    return TrainingCost(
-        seconds=seconds,
-        memory=memory,
-        breakdown={
-            "compute": micro_batches * (body_compute + max(first_extra, last_extra)),
-            "tp_comm": micro_batches * body_tp,
-            "fsdp_comm_exposed": micro_batches * fsdp_exposed,
-            "pipeline_bubble": bubble,
-            "p2p": p2p_total,
-            "dp_comm": dp_comm,
-            "optimizer": optimizer_seconds,
-        },
-        model_flops=flops,
-        micro_batches=micro_batches,
-    )
+    return MemoryBreakdown(params=resident.params, grads=resident.grads,
+                           optimizer=resident.optimizer, activations=activations)
 
 
 def mfu(cost: TrainingCost, profile: DeviceProfile, gpus: int, dtype: str = "bf16") -> float:

@@ -72,109 +72,32 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     mixture-of-experts model the block is the mean over the layers (the leading dense ones
     and the MoE ones), its experts laid out over ``ep`` x ``etp`` ranks (``ep_span``: where
     the expert-parallel group sits)."""
-    b = DTYPE_BYTES[dtype]
-    h = model.hidden
-    ffn = model.ffn_hidden
-    heads_local = model.heads / tp
     tokens = micro_batch * seq_len
     sp = sequence_parallel and tp > 1
     sp_div = tp if sp else 1
-    swiglu = model.mlp == "swiglu"
-
-    # --- GEMMs (forward); backward is dgrad + wgrad of the same shapes ---
-    mlp_in_width = (2 if swiglu else 1) * ffn / tp
-    attention_gemms, attention_flops = attention_projection_cost(
-        model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype)
-    dense_mlp = (gemm_seconds(profile, tokens, mlp_in_width, h, dtype)
-                 + gemm_seconds(profile, tokens, h, ffn / tp, dtype))
-    dense_mlp_flops = 2 * tokens * (h * mlp_in_width * tp + ffn * h) / tp
-    moe = model.moe
-    expert_a2a = 0.0
-    if moe is None:
-        gemms = attention_gemms + dense_mlp
-        gemm_flops = attention_flops + dense_mlp_flops
-        activation_width = ffn / tp
-    else:
-        moe_mlp, moe_flops, expert_a2a = moe_mlp_cost(
-            model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype, ep=ep,
-            etp=etp, ep_span=ep_span, dispatcher=dispatcher)
-        share = model.moe_layers / model.layers
-        gemms = attention_gemms + share * moe_mlp + (1 - share) * dense_mlp
-        gemm_flops = attention_flops + share * moe_flops + (1 - share) * dense_mlp_flops
-        # Every token's activation runs over its top_k experts' and the shared experts' widths.
-        active_width = (moe.top_k * moe.expert_ffn_hidden
-                        + moe.shared_experts * moe.shared_ffn) / tp
-        activation_width = share * active_width + (1 - share) * ffn / tp
-
-    # --- attention core ---
-    hd = model.head_dim_value
-    pair_flops = model.attention_pair_flops() / tp
-    if attention == "flash":
-        core_flops = pair_flops * micro_batch * seq_len * seq_len * 0.5  # causal half
-        core_fwd = attention_kernel_seconds(profile, core_flops, dtype)
-        core_bwd = FLASH_BACKWARD_FLOPS_RATIO * core_fwd
-        score_elements = 0.0
-    else:
-        bmm_batch = micro_batch * heads_local
-        # Scores over the query/key head width, the weighted sum over the value head width.
-        v_hd = model.v_size // model.heads
-        core_fwd = (gemm_seconds(profile, seq_len * bmm_batch, seq_len, hd, dtype)
-                    + gemm_seconds(profile, seq_len * bmm_batch, seq_len, v_hd, dtype))
-        core_bwd = 2 * core_fwd
-        core_flops = pair_flops * micro_batch * seq_len * seq_len
-        score_elements = micro_batch * heads_local * seq_len * seq_len
-        softmax_fwd_bytes = 2 * b * score_elements
-        softmax_bwd_bytes = 3 * b * score_elements
-        dropout_fwd_bytes = (2 * b + 1) * score_elements if model.dropout else 0.0
-        dropout_bwd_bytes = (2 * b + 1) * score_elements if model.dropout else 0.0
-        core_fwd += memory_seconds(profile, softmax_fwd_bytes + dropout_fwd_bytes,
-                                   kernels=2 if model.dropout else 1)
-        core_bwd += memory_seconds(profile, softmax_bwd_bytes + dropout_bwd_bytes,
-                                   kernels=2 if model.dropout else 1)
-
-    # --- memory-bound elementwise kernels (norms, residual adds, dropout, activation, rotary) ---
-    per_token = (
-        2 * 2 * h * b / sp_div                                    # two norms: read + write
-        + 2 * 3 * h * b / sp_div                                  # two residual adds
-        + (2 * (2 * h * b + h) / sp_div if model.dropout else 0)  # two dropouts + masks
-        + ((3 if swiglu else 2) * activation_width * b)          # activation function
-        + (2 * rotary_width(model, tp) * b if model.learned_positions == 0 else 0)
-        + (2 * 2 * latent_norm_width(model) * b / sp_div)        # MLA: two latent norms
-    )
-    elementwise_kernels = 4 + (2 if model.dropout else 0) + 1 + (
-        1 if model.learned_positions == 0 else 0)
-    elementwise_fwd = memory_seconds(profile, tokens * per_token, kernels=elementwise_kernels)
-    elementwise_bwd = memory_seconds(profile, 2 * tokens * per_token,
-                                     kernels=2 * elementwise_kernels)
-
+    gemms, gemm_flops, activation_width, expert_a2a = _block_gemms(
+        model, profile, tokens=tokens, tp=tp, sp=sp, dtype=dtype, ep=ep, etp=etp,
+        ep_span=ep_span, dispatcher=dispatcher)
+    core_fwd, core_bwd, core_flops = _attention_core(
+        model, profile, micro_batch=micro_batch, seq_len=seq_len, tp=tp, dtype=dtype,
+        attention=attention)
+    elementwise_fwd, elementwise_bwd = _elementwise_seconds(
+        model, profile, tokens=tokens, tp=tp, sp_div=sp_div, dtype=dtype,
+        activation_width=activation_width)
     forward = gemms + core_fwd + elementwise_fwd
     backward = 2 * gemms + core_bwd + elementwise_bwd
-
-    # --- tensor-parallel communication: 2 per direction (after attention and after MLP) ---
-    full_bytes = tokens * h * b
-
-    # Under sequence parallelism the attention gathers what its column-parallel projections
-    # read: the hidden state, or for latent attention the latents and the rotary key.
-    attention_gather_bytes = tokens * attention_gather_width(model) * b
-
-    def tp_comm(correction: str) -> float:
-        if sp:
-            return (all_gather_seconds(profile, attention_gather_bytes, tp, tp_crosses_nodes,
-                                       correction=correction)
-                    + all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes,
-                                         correction=correction)
-                    + 2 * reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes,
-                                                 correction=correction))
-        return 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes,
-                                      correction=correction)
 
     # The training engine's collectives (its training steps and its inference passes, under
     # autograd, DTensor or Megatron) carry the ``train_collective`` correction; the generation
     # engine's (prefill, decode) are plain collectives (``collective``).
     tp_fwd = tp_fwd_training = tp_bwd = 0.0
     if tp > 1:
-        tp_fwd = tp_comm("collective")
-        tp_fwd_training = tp_comm("train_collective")
+        tp_fwd = _tensor_parallel_seconds(model, profile, tokens=tokens, tp=tp, sp=sp,
+                                          dtype=dtype, tp_crosses_nodes=tp_crosses_nodes,
+                                          correction="collective")
+        tp_fwd_training = _tensor_parallel_seconds(
+            model, profile, tokens=tokens, tp=tp, sp=sp, dtype=dtype,
+            tp_crosses_nodes=tp_crosses_nodes, correction="train_collective")
         tp_bwd = tp_fwd_training
     # MoE token dispatch and combine (two all-to-alls each way) ride with the layer's other
     # model-parallel communication: not overlapped with compute.
@@ -183,31 +106,13 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
     tp_fwd_training += share * expert_a2a
     tp_bwd += share * expert_a2a
 
-    # --- saved activations (bytes) ---
-    input_bytes = tokens * h * b / sp_div
+    input_bytes = tokens * model.hidden * DTYPE_BYTES[dtype] / sp_div
     if recompute == "full":
         activations = input_bytes
     else:
-        per_token_saved = (
-            2 * h * b / sp_div                       # norm-1 input and QKV input
-            + saved_qkv_width(model, tp, sp_div) * b  # Q, K, V (and MLA's latents)
-            + 2 * h * b / sp_div                     # norm-2 input and MLP input
-            + (3 if swiglu else 2) * activation_width * b  # MLP: up (+ gate), activation out
-            # MoE: the dispatched copies of each token (its experts' inputs) on the layers
-            # that route, at the busiest expert's share.
-            + (model.moe_layers / model.layers * model.moe.top_k * h * b / tp
-               * profile.correction(MOE_IMBALANCE_CORRECTION) if model.moe else 0.0)
-            + (2 * h / sp_div if model.dropout else 0)  # two dropout masks (1 byte)
-        )
-        if attention == "flash":
-            per_token_saved += model.v_size * b / tp + 4 * heads_local  # output, LSE
-        else:
-            per_token_saved += model.v_size * b / tp                     # out-proj input
-            if recompute != "selective":
-                score_per_token = heads_local * seq_len
-                per_token_saved += score_per_token * (b + ((b + 1) if model.dropout else 0))
-        activations = tokens * per_token_saved
-
+        activations = tokens * _saved_bytes_per_token(
+            model, profile, seq_len=seq_len, tp=tp, sp_div=sp_div, dtype=dtype,
+            attention=attention, recompute=recompute, activation_width=activation_width)
     return LayerCost(
         forward_seconds=forward,
         backward_seconds=backward,
@@ -219,6 +124,142 @@ def layer_cost(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int, se
         input_bytes=input_bytes,
         forward_flops=gemm_flops + core_flops,
     )
+
+
+def _block_gemms(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
+                 sp: bool, dtype: str, ep: int, etp: int, ep_span: Span | None,
+                 dispatcher: str) -> tuple[float, float, float, float]:
+    """The block's forward GEMMs (its backward is dgrad + wgrad of the same shapes):
+    (seconds, flops, the MLP activation's width per rank, an MoE layer's all-to-all
+    seconds). An MoE model's block is the mean over its dense and MoE layers."""
+    h = model.hidden
+    ffn = model.ffn_hidden
+    swiglu = model.mlp == "swiglu"
+    mlp_in_width = (2 if swiglu else 1) * ffn / tp
+    attention_gemms, attention_flops = attention_projection_cost(
+        model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype)
+    dense_mlp = (gemm_seconds(profile, tokens, mlp_in_width, h, dtype)
+                 + gemm_seconds(profile, tokens, h, ffn / tp, dtype))
+    dense_mlp_flops = 2 * tokens * (h * mlp_in_width * tp + ffn * h) / tp
+    moe = model.moe
+    if moe is None:
+        return (attention_gemms + dense_mlp, attention_flops + dense_mlp_flops, ffn / tp,
+                0.0)
+    moe_mlp, moe_flops, expert_a2a = moe_mlp_cost(
+        model, profile, tokens=tokens, tp=tp, sequence_parallel=sp, dtype=dtype, ep=ep,
+        etp=etp, ep_span=ep_span, dispatcher=dispatcher)
+    share = model.moe_layers / model.layers
+    gemms = attention_gemms + share * moe_mlp + (1 - share) * dense_mlp
+    gemm_flops = attention_flops + share * moe_flops + (1 - share) * dense_mlp_flops
+    # Every token's activation runs over its top_k experts' and the shared experts' widths.
+    active_width = (moe.top_k * moe.expert_ffn_hidden
+                    + moe.shared_experts * moe.shared_ffn) / tp
+    return gemms, gemm_flops, share * active_width + (1 - share) * ffn / tp, expert_a2a
+
+
+def _attention_core(model: ModelSpec, profile: DeviceProfile, *, micro_batch: int,
+                    seq_len: float, tp: int, dtype: str,
+                    attention: AttentionImpl) -> tuple[float, float, float]:
+    """The attention core (scores, softmax, weighted sum): (forward seconds, backward
+    seconds, forward flops). Flash attention runs the causal half in one kernel; the
+    unfused core materialises the s x s scores."""
+    b = DTYPE_BYTES[dtype]
+    heads_local = model.heads / tp
+    hd = model.head_dim_value
+    pair_flops = model.attention_pair_flops() / tp
+    if attention == "flash":
+        core_flops = pair_flops * micro_batch * seq_len * seq_len * 0.5  # causal half
+        core_fwd = attention_kernel_seconds(profile, core_flops, dtype)
+        return core_fwd, FLASH_BACKWARD_FLOPS_RATIO * core_fwd, core_flops
+    bmm_batch = micro_batch * heads_local
+    # Scores over the query/key head width, the weighted sum over the value head width.
+    v_hd = model.v_size // model.heads
+    core_fwd = (gemm_seconds(profile, seq_len * bmm_batch, seq_len, hd, dtype)
+                + gemm_seconds(profile, seq_len * bmm_batch, seq_len, v_hd, dtype))
+    core_bwd = 2 * core_fwd
+    core_flops = pair_flops * micro_batch * seq_len * seq_len
+    score_elements = micro_batch * heads_local * seq_len * seq_len
+    softmax_fwd_bytes = 2 * b * score_elements
+    softmax_bwd_bytes = 3 * b * score_elements
+    dropout_fwd_bytes = (2 * b + 1) * score_elements if model.dropout else 0.0
+    dropout_bwd_bytes = (2 * b + 1) * score_elements if model.dropout else 0.0
+    core_fwd += memory_seconds(profile, softmax_fwd_bytes + dropout_fwd_bytes,
+                               kernels=2 if model.dropout else 1)
+    core_bwd += memory_seconds(profile, softmax_bwd_bytes + dropout_bwd_bytes,
+                               kernels=2 if model.dropout else 1)
+    return core_fwd, core_bwd, core_flops
+
+
+def _elementwise_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float, tp: int,
+                         sp_div: int, dtype: str,
+                         activation_width: float) -> tuple[float, float]:
+    """Memory-bound elementwise kernels (norms, residual adds, dropout, activation, rotary),
+    forward and backward."""
+    b = DTYPE_BYTES[dtype]
+    h = model.hidden
+    swiglu = model.mlp == "swiglu"
+    per_token = (
+        2 * 2 * h * b / sp_div                                    # two norms: read + write
+        + 2 * 3 * h * b / sp_div                                  # two residual adds
+        + (2 * (2 * h * b + h) / sp_div if model.dropout else 0)  # two dropouts + masks
+        + ((3 if swiglu else 2) * activation_width * b)          # activation function
+        + (2 * rotary_width(model, tp) * b if model.learned_positions == 0 else 0)
+        + (2 * 2 * latent_norm_width(model) * b / sp_div)        # MLA: two latent norms
+    )
+    elementwise_kernels = 4 + (2 if model.dropout else 0) + 1 + (
+        1 if model.learned_positions == 0 else 0)
+    return (memory_seconds(profile, tokens * per_token, kernels=elementwise_kernels),
+            memory_seconds(profile, 2 * tokens * per_token, kernels=2 * elementwise_kernels))
+
+
+def _tensor_parallel_seconds(model: ModelSpec, profile: DeviceProfile, *, tokens: float,
+                             tp: int, sp: bool, dtype: str, tp_crosses_nodes: bool,
+                             correction: str) -> float:
+    """Tensor parallelism's two collectives per direction (after attention and after the
+    MLP): all-reduces, or under sequence parallelism all-gathers of what the column-parallel
+    projections read (the hidden state, or for latent attention the latents and the rotary
+    key) and reduce-scatters."""
+    b = DTYPE_BYTES[dtype]
+    full_bytes = tokens * model.hidden * b
+    if sp:
+        attention_gather_bytes = tokens * attention_gather_width(model) * b
+        return (all_gather_seconds(profile, attention_gather_bytes, tp, tp_crosses_nodes,
+                                   correction=correction)
+                + all_gather_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                     correction=correction)
+                + 2 * reduce_scatter_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                             correction=correction))
+    return 2 * all_reduce_seconds(profile, full_bytes, tp, tp_crosses_nodes,
+                                  correction=correction)
+
+
+def _saved_bytes_per_token(model: ModelSpec, profile: DeviceProfile, *, seq_len: float,
+                           tp: int, sp_div: int, dtype: str, attention: AttentionImpl,
+                           recompute: str, activation_width: float) -> float:
+    """Bytes one token's activations keep for the backward in a block without full
+    recompute."""
+    b = DTYPE_BYTES[dtype]
+    h = model.hidden
+    swiglu = model.mlp == "swiglu"
+    heads_local = model.heads / tp
+    per_token_saved = (
+        2 * h * b / sp_div                       # norm-1 input and QKV input
+        + saved_qkv_width(model, tp, sp_div) * b  # Q, K, V (and MLA's latents)
+        + 2 * h * b / sp_div                     # norm-2 input and MLP input
+        + (3 if swiglu else 2) * activation_width * b  # MLP: up (+ gate), activation out
+        # MoE: the dispatched copies of each token (its experts' inputs) on the layers
+        # that route, at the busiest expert's share.
+        + (model.moe_layers / model.layers * model.moe.top_k * h * b / tp
+           * profile.correction(MOE_IMBALANCE_CORRECTION) if model.moe else 0.0)
+        + (2 * h / sp_div if model.dropout else 0)  # two dropout masks (1 byte)
+    )
+    if attention == "flash":
+        return per_token_saved + (model.v_size * b / tp + 4 * heads_local)  # output, LSE
+    per_token_saved += model.v_size * b / tp                     # out-proj input
+    if recompute != "selective":
+        score_per_token = heads_local * seq_len
+        per_token_saved += score_per_token * (b + ((b + 1) if model.dropout else 0))
+    return per_token_saved
 
 
 def attention_projection_cost(model: ModelSpec, profile: DeviceProfile, *, tokens: float,
