@@ -320,6 +320,128 @@ class _Layout:
         return function
 
 
+class _AllocationWalk:
+    """The depth-first walk over one placement's allocations (a pool and a size per set, in
+    the placement's order), pruning a partial allocation whose best possible completion
+    cannot beat the heap's worst kept candidate."""
+
+    def __init__(self, search: Search, placement: Placement, top: list):
+        self.search = search
+        self.placement = placement
+        self.top = top
+        self.layout = _Layout(search.job, placement, search.pools)
+        self.k = len(placement)
+        # A framework that sizes its pools in nodes of one shape keeps every set on one group.
+        self.one_group = search.space.one_node_group and not search.study
+        self.pools = range(len(search.pools))
+        self.options_for = self._set_options()
+        if self.options_for is None:
+            return
+        # The least a set can cost per second (pay-for-used cost ranking bounds).
+        self.cheapest = [min(size * search.pool_price[p] for p, size in options)
+                         / SECONDS_PER_HOUR for options in self.options_for]
+        self.best_within = [self._best_within(roles, options) for roles, options
+                            in zip(placement, self.options_for, strict=True)]
+        # Each table's sizes in ascending order, for "the largest size within the GPUs left".
+        self.within_keys = [[list(table) for table in per_pool]
+                            for per_pool in self.best_within]
+
+    def _set_options(self) -> list[list[tuple[int, int]]] | None:
+        """Each set's (pool, size) options, pool by pool, largest first; None when a set
+        has none."""
+        search = self.search
+        options_for = [[(p, size) for p in self.pools
+                        for size in sorted(search.pool_sizes[p], reverse=True)
+                        if search.quick_ideal(roles, size, p) is not None]
+                       for roles in self.placement]
+        return None if any(not o for o in options_for) else options_for
+
+    def _best_within(self, roles: tuple[str, ...], options: list[tuple[int, int]],
+                     ) -> list[dict[int, tuple[float, ...]]]:
+        """Per pool: the best possible durations of the set given at most g GPUs there, for
+        every usable g (a running minimum over the pool's sizes, which ascend)."""
+        search = self.search
+        per_pool = []
+        for p in self.pools:
+            table: dict[int, tuple[float, ...]] = {}
+            usable = {s for q, s in options if q == p}
+            running: tuple[float, ...] | None = None
+            for g in search.pool_sizes[p]:
+                if g in usable:
+                    vector = search.quick_ideal(roles, g, p)
+                    assert vector is not None
+                    running = vector if running is None else tuple(
+                        min(a, b) for a, b in zip(running, vector, strict=True))
+                if running is not None:
+                    table[g] = running
+            per_pool.append(table)
+        return per_pool
+
+    def factor_at_least(self, chosen: list[tuple[int, int]]) -> float:
+        search = self.search
+        if not search.ranking.by_cost:
+            return 1.0
+        if search.ranking.pay_for == "cluster":
+            return search.cluster_rate
+        return search.dollars_per_second(tuple(chosen)) + sum(self.cheapest[len(chosen):])
+
+    def threshold(self) -> float:
+        if len(self.top) < self.search._top_k:
+            return math.inf
+        return -self.top[0][0]
+
+    def bound_partial(self, chosen: list[tuple[int, int]], left: list[int]) -> float:
+        """The best iteration ``chosen`` can still reach; ``left``: GPUs of each pool that
+        ``chosen`` leaves."""
+        vectors = []
+        for i in range(self.k):
+            if i < len(chosen):
+                vectors.append(self.search.quick_ideal(self.placement[i], chosen[i][1],
+                                                       chosen[i][0]))
+                continue
+            # The best the set could do on any pool with the GPUs left there.
+            found = []
+            for p in self.pools:
+                keys = self.within_keys[i][p]
+                at = bisect.bisect_right(keys, left[p]) - 1
+                if at >= 0:
+                    found.append(self.best_within[i][p][keys[at]])
+            if not found:
+                return math.inf
+            vectors.append(found[0] if len(found) == 1 else
+                           tuple(min(col) for col in zip(*found, strict=True)))
+        return self.layout.iteration(tuple(p for p, _ in chosen) if len(chosen) == self.k
+                                     else None)(vectors)
+
+    def fits(self, chosen: list[tuple[int, int]], p: int) -> bool:
+        search = self.search
+        sizes = tuple(size for q, size in chosen if q == p)
+        return pack(sizes, search.pool_gpus[p], search.pool_gpn[p]) is not None
+
+    def visit(self, chosen: list[tuple[int, int]]) -> None:
+        search = self.search
+        if len(chosen) == self.k:
+            search.evaluate_allocation(self.layout, tuple(chosen), self.top, self.threshold)
+            return
+        left = [search.pool_gpus[p] - sum(size for q, size in chosen if q == p)
+                for p in self.pools]
+        for p, size in self.options_for[len(chosen)]:
+            if size > left[p] or (self.one_group and chosen and p != chosen[0][0]):
+                continue
+            trial = [*chosen, (p, size)]
+            if not self.fits(trial, p):
+                continue
+            if search.options.prune:
+                trial_left = left.copy()
+                trial_left[p] -= size
+                bound = self.bound_partial(trial, trial_left)
+                if search.too_slow(bound) or \
+                        bound * self.factor_at_least(trial) > self.threshold() + EPSILON:
+                    search.stats.partial_allocations_pruned += 1
+                    continue
+            self.visit(trial)
+
+
 class Search:
     """One search over a job; reusable caches live here.
 
@@ -520,108 +642,10 @@ class Search:
         """Add this placement's best candidates to the heap ``top`` (max-heap by key).
 
         An allocation gives each set a pool and a number of GPUs there; the sets of one pool
-        must pack into it."""
-        layout = _Layout(self.job, placement, self.pools)
-        k = len(placement)
-        # A framework that sizes its pools in nodes of one shape keeps every set on one group.
-        one_group = self.space.one_node_group and not self.study
-        pools = range(len(self.pools))
-        # Each set's options, pool by pool, largest first.
-        options_for: list[list[tuple[int, int]]] = []
-        for roles in placement:
-            options_for.append([(p, size) for p in pools
-                                for size in sorted(self.pool_sizes[p], reverse=True)
-                                if self.quick_ideal(roles, size, p) is not None])
-        if any(not o for o in options_for):
-            return
-        # The least a set can cost per second (pay-for-used cost ranking bounds).
-        cheapest = [min(size * self.pool_price[p] for p, size in options) / SECONDS_PER_HOUR
-                    for options in options_for]
-
-        def factor_at_least(chosen: list[tuple[int, int]]) -> float:
-            if not self.ranking.by_cost:
-                return 1.0
-            if self.ranking.pay_for == "cluster":
-                return self.cluster_rate
-            return self.dollars_per_second(tuple(chosen)) + sum(cheapest[len(chosen):])
-
-        # Best possible durations of a set given at most g GPUs of a pool (unassigned sets).
-        best_within: list[list[dict[int, tuple[float, ...]]]] = []
-        for roles, options in zip(placement, options_for, strict=True):
-            per_pool = []
-            for p in pools:
-                # A running minimum over the pool's usable sizes up to g (sizes ascend).
-                table: dict[int, tuple[float, ...]] = {}
-                usable = {s for q, s in options if q == p}
-                running: tuple[float, ...] | None = None
-                for g in self.pool_sizes[p]:
-                    if g in usable:
-                        vector = self.quick_ideal(roles, g, p)
-                        assert vector is not None
-                        running = vector if running is None else tuple(
-                            min(a, b) for a, b in zip(running, vector, strict=True))
-                    if running is not None:
-                        table[g] = running
-                per_pool.append(table)
-            best_within.append(per_pool)
-        # Each table's sizes in ascending order, for "the largest size within the GPUs left".
-        within_keys = [[list(table) for table in per_pool] for per_pool in best_within]
-
-        def threshold() -> float:
-            if len(top) < self._top_k:
-                return math.inf
-            return -top[0][0]
-
-        def remaining_in(chosen: list[tuple[int, int]], p: int) -> int:
-            return self.pool_gpus[p] - sum(size for q, size in chosen if q == p)
-
-        def bound_partial(chosen: list[tuple[int, int]], left: list[int]) -> float:
-            """``left``: GPUs of each pool that ``chosen`` leaves."""
-            vectors = []
-            for i in range(k):
-                if i < len(chosen):
-                    vectors.append(self.quick_ideal(placement[i], chosen[i][1], chosen[i][0]))
-                    continue
-                # The best the set could do on any pool with the GPUs left there.
-                found = []
-                for p in pools:
-                    keys = within_keys[i][p]
-                    at = bisect.bisect_right(keys, left[p]) - 1
-                    if at >= 0:
-                        found.append(best_within[i][p][keys[at]])
-                if not found:
-                    return math.inf
-                vectors.append(found[0] if len(found) == 1 else
-                               tuple(min(col) for col in zip(*found, strict=True)))
-            return layout.iteration(tuple(p for p, _ in chosen) if len(chosen) == k
-                                    else None)(vectors)
-
-        def fits(chosen: list[tuple[int, int]], p: int) -> bool:
-            sizes = tuple(size for q, size in chosen if q == p)
-            return pack(sizes, self.pool_gpus[p], self.pool_gpn[p]) is not None
-
-        def visit(chosen: list[tuple[int, int]]) -> None:
-            if len(chosen) == k:
-                self.evaluate_allocation(layout, tuple(chosen), top, threshold)
-                return
-            left = [remaining_in(chosen, p) for p in pools]
-            for p, size in options_for[len(chosen)]:
-                if size > left[p] or (one_group and chosen and p != chosen[0][0]):
-                    continue
-                trial = [*chosen, (p, size)]
-                if not fits(trial, p):
-                    continue
-                if self.options.prune:
-                    trial_left = left.copy()
-                    trial_left[p] -= size
-                    bound = bound_partial(trial, trial_left)
-                    if self.too_slow(bound) or \
-                            bound * factor_at_least(trial) > threshold() + EPSILON:
-                        self.stats.partial_allocations_pruned += 1
-                        continue
-                visit(trial)
-
-        visit([])
+        must pack into it (``_AllocationWalk``)."""
+        walk = _AllocationWalk(self, placement, top)
+        if walk.options_for is not None:
+            walk.visit([])
 
     def evaluate_allocation(self, layout: _Layout, allocation: tuple[tuple[int, int], ...],
                             top: list, threshold: Callable[[], float]) -> None:

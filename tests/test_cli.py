@@ -193,7 +193,8 @@ def test_existing_output_is_not_damaged_by_a_failed_run(tmp_path: Path) -> None:
 
 
 def test_planner_and_simulator_import_without_torch_or_ray() -> None:
-    code = ("import sys, planner.cli, simulator.engine, simulator.predict, simulator.validation;"
+    code = ("import sys, planner.cli, planner.report, simulator.engine, simulator.predict,"
+            " simulator.validation;"
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; print(bad)")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, check=True)

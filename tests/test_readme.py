@@ -50,3 +50,64 @@ def test_a_changed_number_is_caught_and_rewritten() -> None:
     [(where, quoted, fresh)] = stale_lines(block)
     assert where == index - mark and "136.35" in quoted
     assert fresh is not None and "135.26" in fresh
+
+
+def _documented_commands() -> list[tuple[str, int, str]]:
+    """Every ``hybridflow ...`` line of the README and docs/ (a ``$`` prompt or not, lines
+    continued with ``\\`` joined): (document, line number, the command's text)."""
+    import re
+
+    found = []
+    for document in DOCUMENTS:
+        lines = document.read_text(encoding="utf-8").splitlines()
+        i = 0
+        while i < len(lines):
+            match = re.match(r"^\s*(?:\$ )?(hybridflow (?:[a-z|]+).*)$", lines[i])
+            start = i
+            if match:
+                text = match.group(1)
+                while text.rstrip().endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    text = text.rstrip()[:-1] + " " + lines[i].strip()
+                found.append((document.name, start + 1, text.split("  #")[0]))
+            i += 1
+    return found
+
+
+def test_every_documented_command_and_option_exists() -> None:
+    """Issue 32: the commands the docs show outside their transcripts (synopses and
+    examples) cannot go stale either: each names a command of the CLI and only options that
+    command takes (a synopsis's ``a|b`` names each command)."""
+    import re
+
+    import click
+
+    from planner.cli import cli
+
+    commands = _documented_commands()
+    assert len(commands) >= 40
+    problems = []
+    for document, line, text in commands:
+        words = text.split()
+        names = words[1].split("|")
+        for name in names:
+            command = cli.commands.get(name)
+            if command is None:
+                problems.append(f"{document}:{line}: no command {name!r}")
+                continue
+            if isinstance(command, click.Group):
+                sub = words[2] if len(words) > 2 else ""
+                parts = [s for s in sub.split("|") if s in command.commands]
+                if not parts:
+                    problems.append(f"{document}:{line}: no subcommand {sub!r} of {name}")
+                    continue
+                targets = [command.commands[s] for s in parts]
+            else:
+                targets = [command]
+            flags = {f for target in targets for p in target.params
+                     for f in (*p.opts, *p.secondary_opts)} | {"--help"}
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])(?![\w-])", text):
+                if flag not in flags:
+                    problems.append(f"{document}:{line}: {' '.join(words[:2])} has no "
+                                    f"option {flag}")
+    assert not problems, "\n".join(problems)
