@@ -41,6 +41,7 @@ from simulator.specs.job import JobSpec
 from simulator.specs.lengths import LengthDistribution
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
+from simulator.specs.workload import Workload
 
 VALUE_HEAD_ROLES = ("critic", "reward", "cost")
 """Roles whose model ends in a scalar value head instead of the language-model head."""
@@ -493,53 +494,82 @@ def _generate_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: i
         feasible=cost.feasible, reason=cost.reason, offloaded=offloaded)
 
 
+@dataclass(frozen=True, slots=True)
+class _ModelPass:
+    """What a forward or training pass of one node needs to know about its job and layout."""
+
+    profile: DeviceProfile
+    gpus_per_node: int
+    work: Workload
+    sequences: float
+    """Sequences the node processes (``node_sequences``)."""
+    role: str
+    model: ModelSpec
+    par: ParallelConfig
+    value_head: bool
+    training: TrainingSettings
+
+    @classmethod
+    def of(cls, job: JobSpec, node: Node, role_plan: RolePlan) -> _ModelPass:
+        return cls(profile=job.cluster.profile(), gpus_per_node=job.cluster.gpus_per_node,
+                   work=job.workload, sequences=node_sequences(job, node), role=node.role,
+                   model=job.model(node.role), par=role_plan.parallel,
+                   value_head=node.role in VALUE_HEAD_ROLES,
+                   training=job.framework_profile.training)
+
+    @property
+    def dtype(self) -> str:
+        return self.work.dtype
+
+    @property
+    def mean_tokens(self) -> float:
+        return self.work.mean_sequence_tokens()
+
+    @property
+    def max_tokens(self) -> float:
+        return float(self.work.max_sequence_tokens)
+
+    @property
+    def tokens(self) -> float:
+        return self.sequences * self.mean_tokens
+
+
 def _infer_node(job: JobSpec, node: Node, role_plan: RolePlan, *,
                 location: int) -> NodeEstimate:
     """``model_node`` of a forward-only pass (log-probs, values, scores)."""
-    profile = job.cluster.profile()
-    gpn = job.cluster.gpus_per_node
-    work = job.workload
-    dtype = work.dtype
-    mean_tokens = work.mean_sequence_tokens()
-    max_tokens = float(work.max_sequence_tokens)
-    sequences = node_sequences(job, node)
-    tokens = sequences * mean_tokens
-    role = node.role
-    model = job.model(role)
-    par = role_plan.parallel
-    value_head = role in VALUE_HEAD_ROLES
-    training = job.framework_profile.training
-    packed = packed_batch(job, par, sequences=math.ceil(sequences),
-                          micro_batch_size=work.infer_micro_batch_size,
-                          budget_tokens=par.infer_micro_batch_tokens)
-    logits_bytes = forward_logits_bytes(training, role_plan, entropy=role == "actor")
-    cost = forward_pass(model, profile, par, sequences=math.ceil(sequences),
-                        seq_len=mean_tokens, micro_batch=work.infer_micro_batch_size,
-                        dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                        packed=packed,
-                        logprob_bytes=training.logprob_forward_bytes_per_vocab_entry,
+    run = _ModelPass.of(job, node, role_plan)
+    packed = packed_batch(job, run.par, sequences=math.ceil(run.sequences),
+                          micro_batch_size=run.work.infer_micro_batch_size,
+                          budget_tokens=run.par.infer_micro_batch_tokens)
+    logits_bytes = forward_logits_bytes(run.training, role_plan, entropy=run.role == "actor")
+    cost = forward_pass(run.model, run.profile, run.par, sequences=math.ceil(run.sequences),
+                        seq_len=run.mean_tokens, micro_batch=run.work.infer_micro_batch_size,
+                        dtype=run.dtype, value_head=run.value_head,
+                        gpus_per_node=run.gpus_per_node, packed=packed,
+                        logprob_bytes=run.training.logprob_forward_bytes_per_vocab_entry,
                         logits_bytes_per_entry=logits_bytes,
-                        cp_exchange=training.context_parallel_exchange)
+                        cp_exchange=run.training.context_parallel_exchange)
     activations = cost.activations_bytes
-    if max_tokens != mean_tokens or packed is not None:
+    if run.max_tokens != run.mean_tokens or packed is not None:
         activations = forward_pass(
-            model, profile, par, sequences=math.ceil(sequences), seq_len=max_tokens,
-            micro_batch=work.infer_micro_batch_size, dtype=dtype, value_head=value_head,
-            gpus_per_node=gpn, packed=full_bin(packed),
+            run.model, run.profile, run.par, sequences=math.ceil(run.sequences),
+            seq_len=run.max_tokens, micro_batch=run.work.infer_micro_batch_size,
+            dtype=run.dtype, value_head=run.value_head, gpus_per_node=run.gpus_per_node,
+            packed=full_bin(packed),
             logits_bytes_per_entry=logits_bytes).activations_bytes
     fixed = (job.framework_profile.fixed_costs.micro_batch_seconds * cost.micro_batches
-             + profile.overheads.operation_seconds)
-    swap = reference_swap_seconds(job, par) if (
-        role == "ref" and job.reference_on_host) else 0.0
-    loaded, copies = call_offload_seconds(job, role, par, "infer")
-    dispatch = dispatch_seconds(job, node, par, sequences)
+             + run.profile.overheads.operation_seconds)
+    swap = reference_swap_seconds(job, run.par) if (
+        run.role == "ref" and job.reference_on_host) else 0.0
+    loaded, copies = call_offload_seconds(job, run.role, run.par, "infer")
+    dispatch = dispatch_seconds(job, node, run.par, run.sequences)
     # A swapped-in reference takes the place of the actor's weights (which wait in host
     # memory): the set's resident state already counts one set of weights.
     return NodeEstimate(
-        name=node.name, role=role, operation="infer", location=location,
-        seconds=(cost.seconds + fixed) * host_slowdown(job, par.world_size) + swap
+        name=node.name, role=run.role, operation="infer", location=location,
+        seconds=(cost.seconds + fixed) * host_slowdown(job, run.par.world_size) + swap
         + dispatch + copies,
-        sequences=sequences, tokens=tokens,
+        sequences=run.sequences, tokens=run.tokens,
         transient=MemoryBreakdown(activations=activations) + loaded,
         detail={"micro_batches": float(cost.micro_batches), "compute_seconds": cost.seconds,
                 "swap_seconds": swap, "dispatch_seconds": dispatch,
@@ -550,55 +580,45 @@ def _train_node(job: JobSpec, node: Node, role_plan: RolePlan, *, location: int,
                 freed_grads: float) -> NodeEstimate:
     """``model_node`` of an update: every optimizer step of the node's epochs and
     mini-batches."""
-    profile = job.cluster.profile()
-    gpn = job.cluster.gpus_per_node
-    work = job.workload
-    dtype = work.dtype
-    mean_tokens = work.mean_sequence_tokens()
-    max_tokens = float(work.max_sequence_tokens)
-    sequences = node_sequences(job, node)
-    tokens = sequences * mean_tokens
-    role = node.role
-    model = job.model(role)
-    par = role_plan.parallel
-    value_head = role in VALUE_HEAD_ROLES
-    training = job.framework_profile.training
-    steps = work.ppo_epochs * work.mini_batches_per_epoch
-    batch = math.ceil(sequences / work.mini_batches_per_epoch)
+    run = _ModelPass.of(job, node, role_plan)
+    steps = run.work.ppo_epochs * run.work.mini_batches_per_epoch
+    batch = math.ceil(run.sequences / run.work.mini_batches_per_epoch)
     if node.pretrain_loss:
         batch *= 2  # as many pretraining (ptx) sequences as RL sequences
-    grad_bytes = grad_bytes_per_param(job, par)
-    packed = packed_batch(job, par, sequences=batch, micro_batch_size=par.micro_batch_size,
-                          budget_tokens=par.micro_batch_tokens)
-    logits_bytes = training_logits_bytes(training, role_plan)
-    step = train_step(model, profile, par, global_batch=batch, seq_len=mean_tokens,
-                      dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                      grad_bytes=grad_bytes, packed=packed,
-                      logprob_bytes=loss_bytes_per_vocab_entry(training, packed),
+    grad_bytes = grad_bytes_per_param(job, run.par)
+    packed = packed_batch(job, run.par, sequences=batch,
+                          micro_batch_size=run.par.micro_batch_size,
+                          budget_tokens=run.par.micro_batch_tokens)
+    logits_bytes = training_logits_bytes(run.training, role_plan)
+    step = train_step(run.model, run.profile, run.par, global_batch=batch,
+                      seq_len=run.mean_tokens, dtype=run.dtype, value_head=run.value_head,
+                      gpus_per_node=run.gpus_per_node, grad_bytes=grad_bytes, packed=packed,
+                      logprob_bytes=loss_bytes_per_vocab_entry(run.training, packed),
                       logits_bytes_per_entry=logits_bytes,
-                      cp_exchange=training.context_parallel_exchange)
+                      cp_exchange=run.training.context_parallel_exchange)
     activations = step.memory.activations
-    if max_tokens != mean_tokens or packed is not None:
-        activations = train_step(model, profile, par, global_batch=batch, seq_len=max_tokens,
-                                 dtype=dtype, value_head=value_head, gpus_per_node=gpn,
-                                 grad_bytes=grad_bytes, packed=full_bin(packed),
-                                 logits_bytes_per_entry=logits_bytes).memory.activations
+    if run.max_tokens != run.mean_tokens or packed is not None:
+        activations = train_step(
+            run.model, run.profile, run.par, global_batch=batch, seq_len=run.max_tokens,
+            dtype=run.dtype, value_head=run.value_head, gpus_per_node=run.gpus_per_node,
+            grad_bytes=grad_bytes, packed=full_bin(packed),
+            logits_bytes_per_entry=logits_bytes).memory.activations
     fixed_costs = job.framework_profile.fixed_costs
     step_seconds = (step.seconds + fixed_costs.optimizer_step_seconds
                     + fixed_costs.micro_batch_seconds * step.micro_batches)
     detail = {f"{k}_seconds": steps * v for k, v in step.breakdown.items()}
     detail["optimizer_steps"] = float(steps)
     detail["seconds_per_step"] = step_seconds
-    dispatch = dispatch_seconds(job, node, par, sequences)
+    dispatch = dispatch_seconds(job, node, run.par, run.sequences)
     detail["dispatch_seconds"] = dispatch
-    loaded, copies = call_offload_seconds(job, role, par, "train")
+    loaded, copies = call_offload_seconds(job, run.role, run.par, "train")
     detail["offload_copy_seconds"] = copies
     return NodeEstimate(
-        name=node.name, role=role, operation="train", location=location,
-        seconds=(steps * step_seconds + profile.overheads.operation_seconds)
-        * host_slowdown(job, par.world_size) + dispatch + copies,
-        sequences=sequences * work.ppo_epochs,
-        tokens=tokens * work.ppo_epochs,
+        name=node.name, role=run.role, operation="train", location=location,
+        seconds=(steps * step_seconds + run.profile.overheads.operation_seconds)
+        * host_slowdown(job, run.par.world_size) + dispatch + copies,
+        sequences=run.sequences * run.work.ppo_epochs,
+        tokens=run.tokens * run.work.ppo_epochs,
         transient=MemoryBreakdown(grads=freed_grads, activations=activations) + loaded,
         detail=detail)
 
