@@ -819,3 +819,22 @@ def test_responses_are_cut_to_the_replicas_longest() -> None:
     assert both["responses"].shape == (4, 5)
     assert both["response_mask"].sum(-1).tolist() == [2, 3, 5, 1]
     assert both["old_log_probs"].sum(-1).tolist() == [-2, -3, -5, -1]
+
+
+def test_vllm_requests_are_seeded_one_by_one_on_the_cpu_engine_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31 defect 5 (per-request seeds): vLLM draws a seeded request's noise one request
+    at a time, so on GPUs the requests go unseeded (the engine's seed makes the run
+    repeatable); the CPU engine keeps drawing them from the replica's generator."""
+    import torch
+
+    from executor.backends.vllm import request_seeds
+
+    generator = torch.Generator().manual_seed(3)
+    first = request_seeds(4, generator)
+    assert all(isinstance(s, int) for s in first)
+    assert first == request_seeds(4, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    state = generator.get_state()
+    assert request_seeds(4, generator) == [None] * 4
+    assert torch.equal(generator.get_state(), state)  # nothing drawn

@@ -83,6 +83,21 @@ def unsupported_reason(spec: ModelSpec) -> str | None:
     return None
 
 
+def request_seeds(batch: int, generator: torch.Generator) -> list[int | None]:
+    """Each request's sampling seed. On GPUs none: vLLM draws a seeded request's noise in a
+    Python loop, one kernel per request per decode step ("This can be slow because we handle
+    each request one by one", vllm 0.32 vllm/v1/sample/ops/topk_topp_sampler.py
+    random_sample), so the requests go unseeded and the engine's own seed makes a run's
+    draws repeatable, as verl 0.9.1 does unless ``full_determinism`` is on
+    (verl/workers/rollout/vllm_rollout/vllm_async_server.py:343 and :625-627). The CPU
+    engine (tests) seeds each request from the replica's generator, so that two layouts of
+    one job, or a resumed run, draw the same tokens."""
+    if torch.cuda.is_available():
+        return [None] * batch
+    return torch.randint(0, 2**31 - 1, (batch,), generator=generator,
+                         device=generator.device).tolist()
+
+
 class VLLMEngine:
     """A vLLM engine on this worker (the ``GenerationBackend`` interface). It starts on the
     first ``load``, from those weights written as a checkpoint; later loads go through
@@ -216,8 +231,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
 
         batch = prompts.shape[0]
-        seeds = torch.randint(0, 2**31 - 1, (batch,), generator=generator,
-                              device=generator.device).tolist()
+        seeds = request_seeds(batch, generator)
         rows = prompts.cpu().tolist()
         if prompt_mask is not None:
             keep = prompt_mask.cpu().bool().tolist()
