@@ -34,14 +34,19 @@ def make_norm(spec: ModelSpec) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32 and cast back before the weight, as Hugging
+    Face's LlamaRMSNorm does (vLLM's kernel normalises in fp32 too): in bf16 the trainer's
+    log-probs would drift from the generator's (issue 31 defect 2)."""
+
     def __init__(self, width: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        wide = x.to(torch.float32)
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        return self.weight * (wide * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
 def rotary_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,

@@ -838,3 +838,24 @@ def test_vllm_requests_are_seeded_one_by_one_on_the_cpu_engine_only(
     state = generator.get_state()
     assert request_seeds(4, generator) == [None] * 4
     assert torch.equal(generator.get_state(), state)  # nothing drawn
+
+
+def test_rms_norm_is_hugging_faces_in_bf16() -> None:
+    """Issue 31 defect 2: the norm runs in fp32 and casts back before the weight, as
+    transformers' LlamaRMSNorm (and vLLM's kernel): bf16 outputs equal bit for bit, where
+    a bf16 computation differs."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from executor.model import RMSNorm
+
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 7, 64, generator=generator) * 3).to(torch.bfloat16)
+    weight = torch.randn(64, generator=generator).to(torch.bfloat16)
+    ours, theirs = RMSNorm(64, 1e-6).to(torch.bfloat16), LlamaRMSNorm(64, eps=1e-6)
+    theirs = theirs.to(torch.bfloat16)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+        assert torch.equal(ours(x), theirs(x))
+        narrow = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert not torch.equal(narrow, theirs(x))
