@@ -111,3 +111,16 @@ def test_every_documented_command_and_option_exists() -> None:
                     problems.append(f"{document}:{line}: {' '.join(words[:2])} has no "
                                     f"option {flag}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_readme_quotes_the_shipped_calibrations_own_accuracy() -> None:
+    """Issue 30 item 5: the README's CPU accuracy figures are the shipped calibrated
+    profile's held-out figures (its provenance), so a refit cannot leave them stale."""
+    import yaml
+
+    profile = yaml.safe_load((ROOT / "profiles" / "devices" / "cpu-2core-calibrated.yaml")
+                             .read_text(encoding="utf-8"))
+    accuracy = profile["provenance"]["accuracy"]
+    quoted = (f"predicted within {accuracy['median_abs_error_pct']:.1f}% median and "
+              f"{accuracy['max_abs_error_pct']:.1f}% max on held-out plans")
+    assert quoted in " ".join(README.read_text(encoding="utf-8").split())
