@@ -43,8 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+try:
+    import torch
+    import torch.distributed as dist
+except ModuleNotFoundError:  # one line, not a traceback: the kit needs the image's torch
+    sys.exit(f"gpu_check: error: {sys.executable} has no torch; run the kit with the Python "
+             "of a CUDA PyTorch image (make gpu-check PYTHON=/path/to/python)")
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:

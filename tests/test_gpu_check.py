@@ -59,3 +59,16 @@ def test_the_kit_refuses_cuda_where_there_is_none(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "torch sees no CUDA device" in done.stderr and "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_python_without_torch_gets_one_line(tmp_path: Path) -> None:
+    """The kit runs with the image's own Python (``make gpu-check`` uses python3): where
+    that Python has no torch, one line says so and which Python to use, not a traceback."""
+    code = ("import runpy, sys\n"
+            "sys.modules['torch'] = None\n"
+            "runpy.run_module('benchmarks.gpu_check', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code, "--out", str(tmp_path / "check")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("gpu_check: error:") and "has no torch" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
