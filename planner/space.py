@@ -141,8 +141,8 @@ def search_space(job: JobSpec, options: SpaceOptions) -> FrameworkSpace:
 def engine_choices(job: JobSpec, role: str, options: SpaceOptions,
                    variant: Variant | None = None) -> list[tuple[str, EngineSpace]]:
     """The engines ``role`` may use in ``job``'s search: the framework's (within the variant),
-    narrowed to one family by ``--backend fsdp|megatron``, to those that run the model
-    (mixture of experts) and the job's own prompt data."""
+    narrowed to one family by ``--backend fsdp|megatron``, and to those that run the model
+    (mixture of experts)."""
     space = search_space(job, options)
     engines = space.engines_for(role, variant)
     if options.backend in FAMILY_OF_BACKEND:
@@ -150,8 +150,6 @@ def engine_choices(job: JobSpec, role: str, options: SpaceOptions,
     model = job.model(role)
     if model.moe is not None:
         engines = [(n, e) for n, e in engines if e.moe]
-    if job.data is not None:
-        engines = [(n, e) for n, e in engines if e.prompt_data]
     return engines
 
 

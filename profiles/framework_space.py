@@ -84,8 +84,6 @@ class EngineSpace:
     replicated KV heads)."""
     moe: bool = True
     """Runs mixture-of-experts models (without expert parallelism unless expert_parallel)."""
-    prompt_data: bool = True
-    """Runs jobs that bring their own prompt data (left-padded prompts)."""
 
     def __post_init__(self) -> None:
         require(bool(self.roles), "an engine runs at least one role", "roles")

@@ -99,14 +99,17 @@ class MegatronHybridEngine:
                 self.pieces.setdefault(name, []).append((member, tp_index, shape, dtype))
         for parts in self.pieces.values():
             parts.sort(key=lambda part: part[1])
+        self.received_bytes = 0
+        """Bytes the last transition received from other members."""
 
     def _generation_tensors(self, local: dict[str, torch.Tensor],
-                            received: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+                            ) -> Iterator[tuple[str, torch.Tensor]]:
         """The generation shard (whole tensors for vLLM) one tensor at a time: each piece
         broadcast by the member holding it and joined along its tensor-parallel dimension
         (issue 31 defect 4: nothing holds the whole model at once). Every member must
-        consume the whole iterator: the broadcasts are collective. ``received`` counts the
-        bytes that arrived from other members."""
+        consume the whole iterator: the broadcasts are collective. ``received_bytes`` counts
+        the bytes that arrived from other members."""
+        self.received_bytes = 0
         rank = dist.get_rank()
         device = worker_device()
         for name, parts in self.pieces.items():
@@ -116,7 +119,7 @@ class MegatronHybridEngine:
                     tensor = local[name].contiguous()
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=device)
-                    received[0] += _bytes(tensor)
+                    self.received_bytes += _bytes(tensor)
                 if len(self.members) > 1:
                     dist.broadcast(tensor, src=member, group=self.micro_dp_group)
                 tensors.append(tensor)
@@ -128,8 +131,7 @@ class MegatronHybridEngine:
         start = time.perf_counter()
         local = self.trainer.local_hf_shards(self.replicated)
         training_bytes = sum(_bytes(p) for p in self.trainer.local_parameters().values())
-        received = [0]
-        stream = self._generation_tensors(local, received)
+        stream = self._generation_tensors(local)
         # vLLM copies each tensor into its own shard as it arrives; the native generator
         # keeps the shard it is given.
         self.engine.load(stream if self.backend == "vllm" else dict(stream))
@@ -137,7 +139,8 @@ class MegatronHybridEngine:
         generation_bytes = self.engine.weight_bytes()
         return TransitionRecord(
             mode=self.mode, seconds=time.perf_counter() - start,
-            bytes_received_per_gpu=received[0], generation_param_bytes=generation_bytes,
+            bytes_received_per_gpu=self.received_bytes,
+            generation_param_bytes=generation_bytes,
             peak_param_bytes_per_gpu=training_bytes + generation_bytes,
             training_param_bytes=training_bytes)
 
