@@ -61,6 +61,9 @@ class LengthDistribution:
                                                    compare=False)
     """empirical: running sums of ``weights``, kept here because hashing the weights to look
     them up in a cache costs as much as summing them (a quantile is a bisection in them)."""
+    _mean_tokens: float | None = field(default=None, init=False, repr=False, compare=False)
+    """``mean_tokens()`` once computed: the search asks it millions of times, and each answer
+    is a sum over 512 stratified lengths."""
 
     def __post_init__(self) -> None:
         kind = self.distribution
@@ -150,7 +153,9 @@ class LengthDistribution:
             return sum(n * w for n, w in zip(self.lengths, self.weights, strict=True))
         if self.distribution == "max_entropy":
             return float(self.mean)  # type: ignore[arg-type]
-        return sum(self.sample(512)) / 512
+        if self._mean_tokens is None:
+            object.__setattr__(self, "_mean_tokens", sum(self.sample(512)) / 512)
+        return self._mean_tokens  # type: ignore[return-value]
 
     def sample(self, count: int) -> tuple[int, ...]:
         """``count`` lengths at the quantiles (i + 0.5) / count, ascending (deterministic)."""
