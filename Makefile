@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+# Test processes (pytest-xdist). Two fill this project's 2-core CI machine; each may start its
+# own local Ray and worker processes, so more than the cores only adds contention.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: plan test test-engines engines bench accuracy docs gpu-check clean
 
@@ -39,7 +43,7 @@ plan: $(VENV)/.plan-installed
 test: $(VENV)/.test-installed $(VENV)/.export-frameworks-installed
 	$(BIN)/ruff check .
 	@status=0; \
-	$(BIN)/python -m pytest -q --durations=25 --ignore=tests/engines || status=1; \
+	$(PYTEST) --durations=25 --ignore=tests/engines || status=1; \
 	$(MAKE) --no-print-directory test-engines || { status=1; echo "engine stage failed"; }; \
 	exit $$status
 
@@ -59,7 +63,7 @@ $(VENV)/.engines-installed: $(VENV)/.test-installed
 	@touch $@
 
 test-engines: engines
-	$(BIN)/python -m pytest -q --durations=10 tests/engines
+	$(PYTEST) --durations=10 tests/engines
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_simulator.py

@@ -21,6 +21,18 @@ def _cache_in_a_temporary_directory(tmp_path_factory: pytest.TempPathFactory) ->
     os.environ["HYBRIDFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("hybridflow-cache"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _ray_starts_its_own_local_cluster() -> None:
+    """Every ``ray.init()`` without an address (the tests' own and the CLI's, in subprocesses
+    too) starts a local Ray of its own. Without this, Ray joins the newest cluster recorded
+    under /tmp/ray, such as the two-node ``ray.cluster_utils.Cluster`` that
+    tests/test_executor_placement.py runs while another test process (pytest-xdist) starts
+    its Ray. Tests that mean a cluster pass ``--address``."""
+    import os
+
+    os.environ["RAY_ADDRESS"] = "local"
+
+
 @pytest.fixture(autouse=True)
 def _no_user_profile_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HYBRIDFLOW_PROFILE_PATH", raising=False)

@@ -77,31 +77,35 @@ def _layout(**parallel: object) -> dict:
 
 
 @pytest.mark.parametrize(("generation", "model", "sequence_parallel"), [
-    ("vllm", "tiny-2l-hd32", False), ("native", "tiny-2l-hd32", False),
-    ("native", "tiny-gpt-2l", False), ("native", "tiny-2l-hd32", True)])
+    ("vllm", "tiny-2l-hd32", (False,)), ("native", "tiny-2l-hd32", (False, True)),
+    ("native", "tiny-gpt-2l", (False,))])
 def test_ppo_with_megatron_training_matches_the_torch_backend(
-        generation: str, model: str, sequence_parallel: bool, tmp_path: Path) -> None:
+        generation: str, model: str, sequence_parallel: tuple[bool, ...],
+        tmp_path: Path) -> None:
     """tp 2, generation tp 2: vLLM takes whole tensors; the native generator each rank's own
     shard (micro-DP groups of one rank). tiny-gpt-2l is GPT-style (LayerNorm, GELU, biases,
     learned positions). With sequence parallelism (Megatron only) the 11-token sequences are
-    padded to 12 for the two ranks, values and log-probs cut back."""
+    padded to 12 for the two ranks, values and log-probs cut back. The torch run is the
+    reference of every Megatron run of its row (with and without sequence parallelism)."""
     par = _layout(tp=2, dp=1, sharding="none")
     roles = {"actor": {"parallel": par, "generation": {"tp": 2}},
              "critic": {"parallel": par}, "ref": {"parallel": par}}
-    megatron_par = {**par, "sequence_parallel": sequence_parallel}
-    megatron = _execute(
-        _plan(tmp_path, 2, {r: {**v, "parallel": megatron_par, "training_backend": "megatron"}
-                            for r, v in roles.items()}),
-        _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": generation},
-                           "critic": {"training": "megatron"}}, model), tmp_path / "megatron",
-        True)
     reference = _execute(_plan(tmp_path, 2, roles),
                          _job(tmp_path, 2, {"actor": {"generation": generation}}, model),
                          tmp_path / "torch", False)
-    _same_metrics(megatron, reference)
-    backend = _backends(tmp_path / "megatron")
-    assert backend["actor.generate"] == generation
-    assert backend["actor.train"] == backend["critic.train"] == "megatron"
+    for sp in sequence_parallel:
+        megatron_par = {**par, "sequence_parallel": sp}
+        out = tmp_path / f"megatron-sp-{sp}"
+        megatron = _execute(
+            _plan(tmp_path, 2, {r: {**v, "parallel": megatron_par,
+                                    "training_backend": "megatron"}
+                                for r, v in roles.items()}),
+            _job(tmp_path, 2, {"actor": {"training": "megatron", "generation": generation},
+                               "critic": {"training": "megatron"}}, model), out, True)
+        _same_metrics(megatron, reference)
+        backend = _backends(out)
+        assert backend["actor.generate"] == generation, sp
+        assert backend["actor.train"] == backend["critic.train"] == "megatron", sp
 
 
 def test_pipeline_plan_with_the_distributed_optimizer_matches_the_torch_backend(
