@@ -62,8 +62,10 @@ $(VENV)/.engines-installed: $(VENV)/.test-installed
 	fi
 	@touch $@
 
+# One process: each engine test already runs two or four CPU workers, and vLLM's CPU engine
+# slowed from 41 s to 205 s beside a second test process (measured, 2 cores).
 test-engines: engines
-	$(PYTEST) --durations=10 tests/engines
+	$(BIN)/python -m pytest -q --durations=10 tests/engines
 
 bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/bench_simulator.py
