@@ -486,22 +486,8 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
     the profile's provenance."""
     from scipy.optimize import least_squares
 
-    if not runs:
-        raise SpecError("give at least one run directory", key="runs")
-    if not any(i >= skip for run in runs for i in run.length_counts):
-        longest = max(len(run.length_counts) for run in runs)
-        raise SpecError(f"skipping the first {skip} iteration(s) leaves nothing to fit (the "
-                        f"longest run has {longest})", key="--skip")
-    chosen = list(fit) if fit else [k for k in PARAMETERS if k != "call_seconds"]
+    chosen = _chosen_parameters(runs, fit, skip)
     every = {**PARAMETERS, **FRAMEWORK_PARAMETERS}
-    for key in chosen:
-        if key not in every:
-            raise SpecError(f"unknown parameter {key!r} (allowed: {', '.join(every)})",
-                            key="--fit")
-    for key, device_key in SAME_TERM.items():
-        if key in chosen and device_key in chosen:
-            raise SpecError(f"{key} and {device_key} add to the same term: fit one of them",
-                            key="--fit")
     fits_framework = any(k in FRAMEWORK_PARAMETERS for k in chosen)
     framework = _runs_framework([*runs, *held_out]) if fits_framework else None
     base_fixed = load_framework(framework).fixed_costs if framework else None
@@ -525,6 +511,63 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
 
     before = _rms_relative(runs, base, skip, base_fixed)
     start = residuals(x0)
+    _refuse_unconstrained(params, residuals, x0, start)
+    solution = least_squares(residuals, x0, bounds=(lower, upper), x_scale="jac",
+                             diff_step=1e-3, max_nfev=200)
+    fitted, fitted_fixed = _apply(base, params, solution.x, base_fixed)
+    after = _rms_relative(runs, fitted, skip, fitted_fixed)
+    values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
+    at_bounds = _at_bounds(params, solution.x, lower, upper)
+    if "call_seconds" not in values and "framework.call_seconds" not in values:
+        values["call_seconds (measured)"] = fitted.overheads.call_seconds
+    held_before = held_after = None
+    if held_out:
+        held_before = accuracy(held_out, base, skip=skip, fixed_costs=base_fixed)
+        held_after = accuracy(held_out, fitted, skip=skip, fixed_costs=fitted_fixed)
+        _refuse_worse_on_held_out(held_before, held_after, len(held_out), base.name)
+    provenance = _fit_provenance(runs, base, before=before, after=after, values=values,
+                                 at_bounds=at_bounds,
+                                 accuracy_record=_held_out_record(held_before, held_after,
+                                                                  len(held_out)))
+    fitted = replace(fitted, name=name or f"{base.name}-calibrated", provenance=provenance)
+    return CalibrationResult(profile=fitted, values=values, residual_before=before,
+                             residual_after=after,
+                             rows=sum(len(predict(r, base, skip=skip)) for r in runs),
+                             runs=tuple(str(r.path) for r in runs), at_bounds=at_bounds,
+                             held_out_before=held_before, held_out_after=held_after,
+                             objective_before=float(np.sqrt(np.mean(start ** 2))),
+                             objective_after=float(np.sqrt(np.mean(
+                                 residuals(solution.x) ** 2))),
+                             framework=framework, fixed_costs=fitted_fixed)
+
+
+def _chosen_parameters(runs: Sequence[Run], fit: Sequence[str] | None, skip: int) -> list[str]:
+    """The parameters to fit (all the device's but the measured call_seconds when ``fit`` is
+    empty), after checking that the runs leave iterations to fit and the names exist and do
+    not add to one term."""
+    if not runs:
+        raise SpecError("give at least one run directory", key="runs")
+    if not any(i >= skip for run in runs for i in run.length_counts):
+        longest = max(len(run.length_counts) for run in runs)
+        raise SpecError(f"skipping the first {skip} iteration(s) leaves nothing to fit (the "
+                        f"longest run has {longest})", key="--skip")
+    chosen = list(fit) if fit else [k for k in PARAMETERS if k != "call_seconds"]
+    every = {**PARAMETERS, **FRAMEWORK_PARAMETERS}
+    for key in chosen:
+        if key not in every:
+            raise SpecError(f"unknown parameter {key!r} (allowed: {', '.join(every)})",
+                            key="--fit")
+    for key, device_key in SAME_TERM.items():
+        if key in chosen and device_key in chosen:
+            raise SpecError(f"{key} and {device_key} add to the same term: fit one of them",
+                            key="--fit")
+    return chosen
+
+
+def _refuse_unconstrained(params: Sequence[Parameter],
+                          residuals: Callable[[np.ndarray], np.ndarray], x0: np.ndarray,
+                          start: np.ndarray) -> None:
+    """A parameter whose doubling changes no residual is not constrained by the runs."""
     unconstrained = []
     for i, param in enumerate(params):
         doubled = x0.copy()
@@ -538,49 +581,56 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
             "needs generation; framework.iteration_seconds the controller's stage or the whole "
             "step). Leave it out with --fit "
             + ",".join(p.name for p in params if p.name not in unconstrained), key="--fit")
-    solution = least_squares(residuals, x0, bounds=(lower, upper), x_scale="jac",
-                             diff_step=1e-3, max_nfev=200)
-    fitted, fitted_fixed = _apply(base, params, solution.x, base_fixed)
-    after = _rms_relative(runs, fitted, skip, fitted_fixed)
-    objective_before = float(np.sqrt(np.mean(start ** 2)))
-    objective_after = float(np.sqrt(np.mean(residuals(solution.x) ** 2)))
-    values = {p.name: float(v) for p, v in zip(params, np.exp(solution.x), strict=True)}
+
+
+def _at_bounds(params: Sequence[Parameter], x: np.ndarray, lower: np.ndarray,
+               upper: np.ndarray) -> dict[str, str]:
+    """The parameters whose fitted log value is within BOUND_TOLERANCE of a bound."""
     at_bounds = {}
-    for param, x, low, high in zip(params, solution.x, lower, upper, strict=True):
+    for param, value, low, high in zip(params, x, lower, upper, strict=True):
         margin = BOUND_TOLERANCE * (high - low)
-        if x <= low + margin:
+        if value <= low + margin:
             at_bounds[param.name] = "lower"
-        elif x >= high - margin:
+        elif value >= high - margin:
             at_bounds[param.name] = "upper"
-    if "call_seconds" not in values and "framework.call_seconds" not in values:
-        values["call_seconds (measured)"] = fitted.overheads.call_seconds
-    held_before = held_after = None
-    accuracy_record: dict[str, float] = {}
-    if held_out:
-        held_before = accuracy(held_out, base, skip=skip, fixed_costs=base_fixed)
-        held_after = accuracy(held_out, fitted, skip=skip, fixed_costs=fitted_fixed)
-        if held_after["median_abs_error_pct"] > held_before["median_abs_error_pct"]:
-            raise SpecError(
-                f"refusing to write the fit: on the {len(held_out)} held-out run(s) its median "
-                f"|error| per plan is {held_after['median_abs_error_pct']:.1f}%, worse than "
-                f"{held_before['median_abs_error_pct']:.1f}% of {base.name} unfitted (the fit "
-                "describes its own runs only: fit on more varied runs or fewer parameters)",
-                key="--held-out")
-        accuracy_record = {
-            "median_abs_error_pct": held_after["median_abs_error_pct"],
-            "max_abs_error_pct": held_after["max_abs_error_pct"],
-            "bias_pct": held_after["bias_pct"],
-            "held_out_runs": float(len(held_out)),
-            "held_out_plans": float(held_after["plans"]),
-            "unfitted_median_abs_error_pct": held_before["median_abs_error_pct"]}
-        if held_after["kendall_tau"] is not None:
-            accuracy_record["kendall_tau"] = held_after["kendall_tau"]
+    return at_bounds
+
+
+def _refuse_worse_on_held_out(before: dict, after: dict, runs: int, base_name: str) -> None:
+    if after["median_abs_error_pct"] > before["median_abs_error_pct"]:
+        raise SpecError(
+            f"refusing to write the fit: on the {runs} held-out run(s) its median "
+            f"|error| per plan is {after['median_abs_error_pct']:.1f}%, worse than "
+            f"{before['median_abs_error_pct']:.1f}% of {base_name} unfitted (the fit "
+            "describes its own runs only: fit on more varied runs or fewer parameters)",
+            key="--held-out")
+
+
+def _held_out_record(before: dict | None, after: dict | None, runs: int) -> dict[str, float]:
+    """The held-out accuracy the profile's provenance keeps (empty without held-out runs)."""
+    if before is None or after is None:
+        return {}
+    record = {
+        "median_abs_error_pct": after["median_abs_error_pct"],
+        "max_abs_error_pct": after["max_abs_error_pct"],
+        "bias_pct": after["bias_pct"],
+        "held_out_runs": float(runs),
+        "held_out_plans": float(after["plans"]),
+        "unfitted_median_abs_error_pct": before["median_abs_error_pct"]}
+    if after["kendall_tau"] is not None:
+        record["kendall_tau"] = after["kendall_tau"]
+    return record
+
+
+def _fit_provenance(runs: Sequence[Run], base: DeviceProfile, *, before: float, after: float,
+                    values: dict[str, float], at_bounds: dict[str, str],
+                    accuracy_record: dict[str, float]) -> Provenance:
     from planner.provenance import code_fingerprint, executor_fingerprint, git_commit
 
     now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
     bounds_note = ("; at a bound: " + ", ".join(f"{k} ({v})" for k, v in at_bounds.items())
                    if at_bounds else "")
-    provenance = Provenance(
+    return Provenance(
         source=f"calibrated from {len(runs)} executor run(s) on top of {base.name}",
         fitted_on=tuple(str(r.path) for r in runs), fitted_at=now,
         residual_before=before, residual_after=after, accuracy=accuracy_record,
@@ -589,14 +639,6 @@ def calibrate(runs: Sequence[Run], base: DeviceProfile, *, fit: Sequence[str] | 
         executor_fingerprint=executor_fingerprint(),
         notes=f"fitted {', '.join(f'{k}={v:.4g}' for k, v in values.items())}"
               f"{bounds_note}; base provenance: {base.provenance.source}")
-    fitted = replace(fitted, name=name or f"{base.name}-calibrated", provenance=provenance)
-    return CalibrationResult(profile=fitted, values=values, residual_before=before,
-                             residual_after=after,
-                             rows=sum(len(predict(r, base, skip=skip)) for r in runs),
-                             runs=tuple(str(r.path) for r in runs), at_bounds=at_bounds,
-                             held_out_before=held_before, held_out_after=held_after,
-                             objective_before=objective_before, objective_after=objective_after,
-                             framework=framework, fixed_costs=fitted_fixed)
 
 
 def _runs_framework(runs: Sequence[Run]) -> str:
