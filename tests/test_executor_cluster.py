@@ -4,6 +4,7 @@ only if the executor ships its code and environment the way Ray intends (``runti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,28 +26,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture()
-def separate_cluster(tmp_path: Path):
-    """A ``ray start --head`` cluster with 2 virtual GPUs, started from an empty directory
-    with no PYTHONPATH (stopped by its PID at the end)."""
+@contextlib.contextmanager
+def _ray_head(env: dict[str, str], cwd: Path, *extra: str):
+    """A ``ray start --head --block`` with 2 virtual GPUs, its address yielded once
+    ``ray status`` answers; stopped by its PID at the end."""
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent))
     assert ray_cli is not None
     port = _free_port()
-    # No token authentication: the test's clients carry no token.
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
-    env["RAY_AUTH_MODE"] = "disabled"
-    home = tmp_path / "elsewhere"
-    home.mkdir()
-    # Its own temp dir: a head started with the default one writes its address where every
-    # later ray.init() on this machine looks, and leaves it behind when stopped. Short, for
-    # the length limit of Unix socket paths. A small object store: the test session's own
-    # Ray already holds a large one in /dev/shm.
-    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
+    # A small object store: the test session's own Ray already holds a large one in /dev/shm.
     head = subprocess.Popen(
         [ray_cli, "start", "--head", "--block", f"--port={port}", "--num-gpus=2",
          "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={temp_dir}", "--object-store-memory=200000000"],
-        cwd=home, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--object-store-memory=200000000", *extra],
+        cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -62,7 +54,49 @@ def separate_cluster(tmp_path: Path):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             head.kill()
+
+
+@pytest.fixture()
+def separate_cluster(tmp_path: Path):
+    """A head started from an empty directory with no PYTHONPATH."""
+    # No token authentication: the test's clients carry no token.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    home = tmp_path / "elsewhere"
+    home.mkdir()
+    # Its own temp dir: a head started with the default one writes its address where every
+    # later ray.init() on this machine looks, and leaves it behind when stopped. Short, for
+    # the length limit of Unix socket paths.
+    temp_dir = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
+    try:
+        with _ray_head(env, home, f"--temp-dir={temp_dir}") as address:
+            yield address
+    finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_run_without_an_address_starts_its_own_ray_beside_a_recorded_cluster(
+        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+    """A ``ray start`` cluster recorded where ``ray.init()`` looks (its temp dir, here a
+    private RAY_TMPDIR so that no other test sees it): ``execute`` without ``--address`` or
+    RAY_ADDRESS ran into "When connecting to an existing cluster, num_cpus and num_gpus must
+    not be provided" (exit 3); it starts its own local Ray."""
+    plan, job = grpo_two_gpu_files
+    root = tempfile.mkdtemp(prefix="rayt-", dir="/tmp")  # short, for Unix socket paths
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=root, RAY_AUTH_MODE="disabled")
+    out = tmp_path / "run"
+    try:
+        with _ray_head(env, tmp_path):
+            assert (Path(root) / "ray" / "ray_current_cluster").exists()
+            result = subprocess.run(
+                [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
+                 "--steps", "1", "--out", str(out), "--reward-warmup", "0"], cwd=ROOT,
+                env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "meta.json").read_text())["ray_address"].startswith("local")
 
 
 def test_execute_ships_code_and_environment_to_a_cluster(
@@ -101,3 +135,18 @@ def test_cluster_runtime_env_carries_the_packages_and_communication_settings() -
     assert env["env_vars"] == {"OMP_NUM_THREADS": "1", "NCCL_SOCKET_IFNAME": "eth0",
                                "GLOO_SOCKET_IFNAME": "eth0",
                                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def test_the_address_is_the_flag_else_ray_address_else_a_local_ray(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from planner.cli.execute import ray_address
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_address("10.0.0.1:6379") == "10.0.0.1:6379"
+    assert ray_address(None) == "10.0.0.2:6379"
+    for unset in ("", "local"):
+        monkeypatch.setenv("RAY_ADDRESS", unset)
+        assert ray_address(None) is None
+        assert os.environ["RAY_ADDRESS"] == "local"  # what makes ray.init() start its own
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert ray_address(None) is None and os.environ["RAY_ADDRESS"] == "local"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,22 @@ VERL_CRITIC_LR = 1e-5
 """verl's critic learning rate (the same file :539, critic.optim.lr)."""
 
 
+def ray_address(address: str | None) -> str | None:
+    """The Ray cluster a run joins: ``--address``, else Ray's own ``RAY_ADDRESS``; with
+    neither, None, and the run starts a local Ray of its own (virtual GPUs on CPU). Ray's
+    ``ray.init()`` would otherwise join a cluster that ``ray start`` recorded on this machine
+    and refuse the local Ray's GPU count ("When connecting to an existing cluster, num_cpus
+    and num_gpus must not be provided", Ray 2.60); ``RAY_ADDRESS=local`` is how Ray is told to
+    start its own."""
+    if address:
+        return address
+    environment = os.environ.get("RAY_ADDRESS", "")
+    if environment and environment != "local":
+        return environment
+    os.environ["RAY_ADDRESS"] = "local"
+    return None
+
+
 def learning_rates(job: JobSpec, actor_lr: float | None,
                    critic_lr: float | None) -> tuple[float, float]:
     """(actor, critic) learning rates: the ones given, else a toy's for a job whose trained
@@ -56,7 +73,8 @@ def learning_rates(job: JobSpec, actor_lr: float | None,
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Run directory (default: runs/<time>-<placement>).")
 @click.option("--address", default=None,
-              help="Ray cluster to join (default: start a local one, virtual GPUs on CPU).")
+              help="Ray cluster to join (default: $RAY_ADDRESS if set, else start a local "
+                   "one, virtual GPUs on CPU).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--transition", type=click.Choice(["micro_dp", "naive"]), default="micro_dp",
               show_default=True,
@@ -126,6 +144,7 @@ def execute(plan_path: str | None, config: str | None, steps: int | None, out: s
     if dry_run and resume is not None:
         raise SpecError("--dry-run checks a new run; a resumed run was checked when it started",
                         key="--dry-run")
+    address = ray_address(address)
     if resume is not None:
         _resume_run(resume, plan_path, steps, address, worker_logs, max_restarts, as_json)
         return
