@@ -3,6 +3,7 @@ commands print today (tests/readme_transcripts.py; `make docs` rewrites stale li
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ def test_a_changed_number_is_caught_and_rewritten() -> None:
     assert fresh is not None and "135.26" in fresh
 
 
-def _documented_commands() -> list[tuple[str, int, str]]:
+@functools.cache
+def _documented_commands() -> tuple[tuple[str, int, str], ...]:
     """Every ``hybridflow ...`` line of the README and docs/ (a ``$`` prompt or not, lines
     continued with ``\\`` joined): (document, line number, the command's text)."""
     import re
@@ -73,7 +75,7 @@ def _documented_commands() -> list[tuple[str, int, str]]:
                     text = text.rstrip()[:-1] + " " + lines[i].strip()
                 found.append((document.name, start + 1, text.split("  #")[0]))
             i += 1
-    return found
+    return tuple(found)
 
 
 def test_every_documented_command_and_option_exists() -> None:
