@@ -88,7 +88,12 @@ def test_a_run_without_an_address_starts_its_own_ray_beside_a_recorded_cluster(
     out = tmp_path / "run"
     try:
         with _ray_head(env, tmp_path):
-            assert (Path(root) / "ray" / "ray_current_cluster").exists()
+            # `ray start` records the address after its head answers `ray status`.
+            recorded = Path(root) / "ray" / "ray_current_cluster"
+            deadline = time.time() + 120
+            while not recorded.exists():
+                assert time.time() < deadline, "ray start recorded no cluster in 120 s"
+                time.sleep(1)
             result = subprocess.run(
                 [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
                  "--steps", "1", "--out", str(out), "--reward-warmup", "0"], cwd=ROOT,
