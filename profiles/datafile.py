@@ -367,3 +367,15 @@ __all__ = [
     "to_mapping",
     "write_text_atomic",
 ]
+
+
+def merged_mapping(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, section by section (nested mappings merge key by key;
+    anything else in ``override`` replaces what ``base`` has)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged_mapping(out[key], value)
+        else:
+            out[key] = value
+    return out

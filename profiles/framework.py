@@ -23,6 +23,7 @@ from profiles.datafile import (
     convert,
     field_parser,
     from_mapping,
+    merged_mapping,
     read_mapping,
     require,
 )
@@ -355,7 +356,7 @@ def _engines_on_rollout(data: dict) -> dict:
         return data
     rollout = data.get("rollout") or {}
     return {**data, "rollout_engines": {
-        name: _merged(rollout, settings) if isinstance(settings, dict) else settings
+        name: merged_mapping(rollout, settings) if isinstance(settings, dict) else settings
         for name, settings in engines.items()}}
 
 
@@ -377,17 +378,6 @@ def resolve_framework_path(name_or_path: str) -> Path:
     return path
 
 
-def _merged(base: dict, override: dict) -> dict:
-    """``override`` on top of ``base``, section by section (nested mappings merge)."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def framework_mapping(name_or_path: str, chain: tuple[str, ...] = ()) -> dict:
     """A profile's raw mapping with its ``base:`` profiles applied underneath it: a profile
     that names a base only writes what differs (a release of a framework, or a user's
@@ -407,7 +397,7 @@ def framework_mapping(name_or_path: str, chain: tuple[str, ...] = ()) -> dict:
         parent = base
     else:
         parent = str(path.parent / base)
-    return _merged(framework_mapping(parent, (*chain, str(path))), data)
+    return merged_mapping(framework_mapping(parent, (*chain, str(path))), data)
 
 
 @cache
@@ -439,7 +429,7 @@ def write_fixed_costs_profile(base: str, fixed: FixedCosts, path: str | Path,
                               "hybridflow calibrate",
                "fixed_costs": to_mapping(fixed)}
     from_mapping(FrameworkProfile,
-                 _engines_on_rollout(_merged(framework_mapping(base), {
+                 _engines_on_rollout(merged_mapping(framework_mapping(base), {
                      k: v for k, v in mapping.items() if k != "base"})), source=str(out))
     text = yaml.safe_dump(mapping, sort_keys=False)
     write_text_atomic(out, (header if header.endswith("\n") or not header else header + "\n")

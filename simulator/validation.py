@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from profiles.datafile import SpecError, from_mapping, read_mapping
+from profiles.datafile import SpecError, from_mapping, merged_mapping, read_mapping
 from profiles.device import load_profile
 from simulator.costs.generation import generate, generation_weight_bytes, workspace_bytes
 from simulator.costs.training import train_step
@@ -303,6 +303,26 @@ def winners(rows: list[dict]) -> list[str]:
     return out
 
 
+def _priced_case(job_mapping: dict, case: dict, source: str):
+    """A whole-step case's job priced as its source ran it: (its estimate, the simulated
+    iteration in seconds)."""
+    from simulator.engine import simulate_estimated
+    from simulator.plan import job_as_planned
+    from simulator.predict import estimate_plan
+    from simulator.specs.job import job_from_mapping
+
+    job = job_from_mapping(job_mapping, source=source)
+    plan = case_plan(job, case)
+    # One estimate serves the simulation, the measured stage and the stage rows.
+    plan.validate(job)
+    planned = job_as_planned(job, plan)
+    estimate = estimate_plan(planned, plan)
+    result = simulate_estimated(planned, plan, estimate)
+    if not result.feasible:
+        raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}", source=source)
+    return estimate, result.iteration_seconds, plan
+
+
 def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
                     stages: bool = True) -> list[dict]:
     """Whole RLHF iterations: each case is a job (with its framework and every parallel setting
@@ -310,34 +330,39 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
     with ``measures: STAGE``, the stage timer STAGE of ``stage_parts`` as the measurement). A
     case with ``stages`` adds one row per published stage timer (``stage_parts`` of the group
     says which of the simulator's nodes and parts each timer holds); stage rows are reported
-    but the group's statistics are the whole steps'."""
-    from simulator.engine import simulate_estimated
-    from simulator.plan import job_as_planned
-    from simulator.predict import estimate_plan
-    from simulator.specs.job import job_from_mapping
+    but the group's statistics are the whole steps'.
 
+    A case with ``relative_to`` (settings of its job, e.g. another generation TP size) is a
+    published ratio: its measurement is the case's figure over that of the same job with those
+    settings (a source that gives "60% less than with TP 8" but not the times), and its
+    prediction is the simulator's ratio of the same two."""
     rows = []
     stage_parts = spec.get("stage_parts", {})
+    measures = spec.get("measures")
+    if measures is not None and measures not in stage_parts:
+        # A group of one published stage timer (``measures``: a key of stage_parts).
+        raise SpecError(f"measures {measures!r} has no entry in stage_parts",
+                        key=f"{group}.measures", source=str(cases_file))
+
+    def measured_part(estimate, iteration_seconds: float, source: str) -> float:
+        if measures is None:
+            return iteration_seconds
+        return _stage_seconds(estimate, stage_parts[measures], source)
+
     for i, case in enumerate(spec["cases"]):
         source = f"{cases_file} ({group}.cases[{i}])"
-        job = job_from_mapping(case["job"], source=source)
-        plan = case_plan(job, case)
-        # One estimate serves the simulation, the measured stage and the stage rows.
-        plan.validate(job)
-        planned = job_as_planned(job, plan)
-        estimate = estimate_plan(planned, plan)
-        result = simulate_estimated(planned, plan, estimate)
-        if not result.feasible:
-            raise SpecError(f"the case does not fit: {'; '.join(result.reasons)}",
-                            source=source)
-        predicted = result.iteration_seconds
-        measures = spec.get("measures")
-        if measures is not None:
-            # A group of one published stage timer (``measures``: a key of stage_parts).
-            if measures not in stage_parts:
-                raise SpecError(f"measures {measures!r} has no entry in stage_parts",
-                                key=f"{group}.measures", source=str(cases_file))
-            predicted = _stage_seconds(estimate, stage_parts[measures], source)
+        estimate, iteration_seconds, plan = _priced_case(case["job"], case, source)
+        predicted = measured_part(estimate, iteration_seconds, source)
+        relative_to = case.get("relative_to")
+        if relative_to is not None:
+            if not isinstance(relative_to, dict) or not relative_to:
+                raise SpecError("expected the job settings of the case it is measured against "
+                                "(e.g. {parallel: {actor: {generation_tp: 8}}})",
+                                key=f"{group}.cases[{i}].relative_to", source=str(cases_file))
+            reference, reference_seconds, _ = _priced_case(
+                merged_mapping(case["job"], relative_to), case,
+                f"{source} relative_to")
+            predicted /= measured_part(reference, reference_seconds, f"{source} relative_to")
         rows.append({"group": group, "case": case["name"], "metric": spec["metric"],
                      "measured": float(case["measured"]),
                      "predicted": predicted, "stage": "",
@@ -371,6 +396,23 @@ def _group_rows(group: str, spec: dict, cases_file: Path, *, stages: bool = True
     return rows
 
 
+def _with_framework_paths(spec: dict, cases_file: Path) -> dict:
+    """The group with each case job's framework profile file (``framework: x.yaml``, a profile
+    of the system a source ran that no shipped profile describes) named relative to the cases
+    file, as an absolute path."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("cases"), list):
+        return spec
+    cases = []
+    for case in spec["cases"]:
+        job = case.get("job") if isinstance(case, dict) else None
+        framework = job.get("framework") if isinstance(job, dict) else None
+        if isinstance(framework, str) and framework.endswith((".yaml", ".yml")) \
+                and not Path(framework).is_absolute():
+            case = {**case, "job": {**job, "framework": str(cases_file.parent / framework)}}
+        cases.append(case)
+    return {**spec, "cases": cases}
+
+
 def _whole_step_errors(rows: list[dict]) -> list[float]:
     return [r["error_pct"] for r in rows if not r["stage"]]
 
@@ -384,6 +426,7 @@ def run_validation(cases_file: Path = CASES_FILE, *,
     rows: list[dict] = []
     summaries: list[GroupSummary] = []
     for group, spec in data.items():
+        spec = _with_framework_paths(spec, cases_file)
         group_rows = _group_rows(group, spec, cases_file)
         rows.extend(group_rows)
         signed = _whole_step_errors(group_rows)

@@ -206,3 +206,67 @@ def test_the_breakdown_tool_runs_every_whole_step_case_and_prices_stage_groups_a
     assert "7b async 16+16 H20 (async): step measured 294.8 s" in out
     line = next(x for x in out.splitlines() if "llama3.1-8b 8xH100 dtensor" in x)
     assert "refit (" in line and "measured 4.0 s" in line
+
+
+RATIO_JOB = {
+    "algorithm": "grpo", "framework": "hybridflow",
+    "models": {"actor": "llama2-7b", "ref": "llama2-7b", "reward": "rule"},
+    "cluster": {"nodes": 1, "gpus_per_node": 8, "device": "a100-80gb"},
+    "workload": {"prompts_per_iteration": 64, "samples_per_prompt": 4, "prompt_length": 256,
+                 "response_length": 256, "ppo_epochs": 1, "mini_batches_per_epoch": 1,
+                 "train_micro_batch_size": 2, "infer_micro_batch_size": 8, "dtype": "bf16"},
+    "parallel": {"actor": {"tp": 8, "pp": 1, "sharding": "none", "generation_tp": 2},
+                 "ref": {"tp": 8, "pp": 1, "sharding": "none"}},
+}
+RATIO_GROUP = {
+    "source": "a test group", "gate_mean_abs_error_pct": 1000, "gate_max_abs_error_pct": 1000,
+    "kind": "rlhf_step", "metric": "generation_latency_ratio", "measures": "generation",
+    "stage_parts": {"generation": ["actor.generate"]},
+}
+
+
+def test_a_relative_case_is_the_ratio_of_its_job_to_the_job_with_other_settings(
+        tmp_path: Path) -> None:
+    """``relative_to`` (a published "x% less than with TP 8"): the prediction is the measured
+    stage of the case's job over that of the same job with the settings given."""
+    at_tp8 = copy.deepcopy(RATIO_JOB)
+    at_tp8["parallel"]["actor"]["generation_tp"] = 8
+    absolute = {**RATIO_GROUP, "metric": "generation_seconds", "cases": [
+        {"name": "tp2", "measured": 1.0, "job": RATIO_JOB},
+        {"name": "tp8", "measured": 1.0, "job": at_tp8}]}
+    table, _ = run_validation(_write(tmp_path, {"g": absolute}))
+    tp2, tp8 = table["predicted"]
+    relative = {**RATIO_GROUP, "cases": [
+        {"name": "tp2 over tp8", "measured": 0.5, "job": RATIO_JOB,
+         "relative_to": {"parallel": {"actor": {"generation_tp": 8}}}}]}
+    table, (group,) = run_validation(_write(tmp_path, {"g": relative}))
+    (row,) = table.to_dict(orient="records")
+    assert tp2 != tp8
+    assert row["predicted"] == pytest.approx(tp2 / tp8, rel=1e-12)
+    assert row["error_pct"] == pytest.approx(100 * (tp2 / tp8 - 0.5) / 0.5)
+    assert group.cases == 1
+    bad = {**relative, "cases": [{**relative["cases"][0], "relative_to": 8}]}
+    with pytest.raises(SpecError) as caught:
+        run_validation(_write(tmp_path, {"g": bad}))
+    assert caught.value.key == "g.cases[0].relative_to"
+
+
+def test_a_case_may_name_a_framework_profile_beside_the_cases_file(tmp_path: Path) -> None:
+    """``framework: NAME.yaml`` is read relative to the cases file (a system no shipped profile
+    describes), wherever validate runs from, and a framework band builds on it."""
+    (tmp_path / "older-engine.yaml").write_text(yaml.safe_dump({
+        "base": "hybridflow", "name": "older-engine",
+        "rollout": {"decode_host_seconds_per_sequence": 1.0e-4}}))
+    shipped = {**RATIO_GROUP, "metric": "generation_seconds",
+               "cases": [{"name": "c", "measured": 1.0, "job": RATIO_JOB}]}
+    beside = {**shipped, "cases": [{"name": "c", "measured": 1.0,
+                                    "job": {**RATIO_JOB, "framework": "older-engine.yaml"}}],
+              "bands": [{"input": "host work", "reason": "a test", "values": [0.0],
+                         "key": "framework.rollout.decode_host_seconds_per_sequence"}]}
+    table, _ = run_validation(_write(tmp_path, {"g": shipped}))
+    base_seconds = table["predicted"].iloc[0]
+    table, (group,) = run_validation(_write(tmp_path, {"g": beside}), bands=True)
+    assert table["predicted"].iloc[0] > base_seconds  # the file's host work is priced
+    _, without_host_work = group.bands[0].points
+    assert without_host_work.mean_abs_error_pct == pytest.approx(
+        abs(100 * (base_seconds - 1.0)), rel=1e-9)
