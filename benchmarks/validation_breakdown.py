@@ -7,19 +7,20 @@ engine's sleep and wake, offload, the reference swap), and the step again with e
 at the mean length, which shows how much the length distribution (an assumption where the
 source publishes only the mean) decides. For a group that measures one stage timer
 (``measures:``, the refit times) the measured and predicted figures are that stage's and its
-parts are listed. Prints; never asserts.
+parts are listed; for a case that is a published ratio (``relative_to:``) both stages and their
+ratio. Prints; never asserts.
 """
 
 from __future__ import annotations
 
 import copy
 
-from profiles.datafile import read_mapping
+from profiles.datafile import merged_mapping, read_mapping
 from simulator.engine import simulate
 from simulator.plan import job_as_planned
 from simulator.predict import estimate_plan
 from simulator.specs.job import job_from_mapping
-from simulator.validation import CASES_FILE, _stage_seconds, case_plan
+from simulator.validation import CASES_FILE, _stage_seconds, _with_framework_paths, case_plan
 
 
 def main() -> None:
@@ -28,6 +29,7 @@ def main() -> None:
         if spec.get("kind") != "rlhf_step":
             continue
         print(f"{group}")
+        spec = _with_framework_paths(spec, CASES_FILE)
         for case in spec["cases"]:
             job = job_from_mapping(case["job"])
             plan = case_plan(job, case)
@@ -40,9 +42,21 @@ def main() -> None:
                 what = f"{measures} ({' + '.join(parts_of)})"
             else:
                 predicted = simulate(job, plan).iteration_seconds
-            print(f"  {case['name']} ({plan.mode}): {what} measured {case['measured']:.1f} s, "
-                  f"predicted {predicted:.1f} s "
-                  f"({100 * (predicted / case['measured'] - 1):+.0f}%)")
+            if "relative_to" in case:
+                # A published ratio: this case's stage over the same job with those settings.
+                other = job_from_mapping(merged_mapping(case["job"], case["relative_to"]))
+                other_plan = case_plan(other, case)
+                reference = _stage_seconds(estimate_plan(job_as_planned(other, other_plan),
+                                                         other_plan),
+                                           spec["stage_parts"][measures], str(CASES_FILE))
+                print(f"  {case['name']}: {what} ratio measured {case['measured']:.3f}, "
+                      f"predicted {predicted:.1f} s / {reference:.1f} s = "
+                      f"{predicted / reference:.3f} "
+                      f"({100 * (predicted / reference / case['measured'] - 1):+.0f}%)")
+            else:
+                print(f"  {case['name']} ({plan.mode}): {what} measured "
+                      f"{case['measured']:.1f} s, predicted {predicted:.1f} s "
+                      f"({100 * (predicted / case['measured'] - 1):+.0f}%)")
             for name, node in estimate.nodes.items():
                 parts = ", ".join(f"{key.removesuffix('_seconds')} {value:.1f}"
                                   for key, value in node.detail.items()

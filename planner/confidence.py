@@ -189,6 +189,8 @@ def error_model(rows: Sequence[dict]) -> ErrorModel:
 
 
 def _row_kind(row: dict) -> str | None:
+    if row.get("relative") in (True, 1):
+        return None  # a published ratio of two layouts: not the error of one layout's time
     if row.get("stage"):
         return STAGE_KINDS.get(row["stage"])
     measures = row.get("measures")

@@ -367,7 +367,8 @@ def _rlhf_step_rows(group: str, spec: dict, cases_file: Path, *,
                      "measured": float(case["measured"]),
                      "predicted": predicted, "stage": "",
                      "scale": case.get("scale"), "mode": plan.mode,
-                     **({"measures": measures} if measures is not None else {})})
+                     **({"measures": measures} if measures is not None else {}),
+                     **({"relative": True} if relative_to is not None else {})})
         if not stages or not case.get("stages"):
             continue
         for stage, measured in case["stages"].items():

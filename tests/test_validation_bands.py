@@ -245,6 +245,10 @@ def test_a_relative_case_is_the_ratio_of_its_job_to_the_job_with_other_settings(
     assert row["predicted"] == pytest.approx(tp2 / tp8, rel=1e-12)
     assert row["error_pct"] == pytest.approx(100 * (tp2 / tp8 - 0.5) / 0.5)
     assert group.cases == 1
+    # The plan's confidence draws errors of one layout's time, which a ratio is not.
+    from planner.confidence import _row_kind
+
+    assert _row_kind(row) is None and _row_kind({**row, "relative": float("nan")}) == "generate"
     bad = {**relative, "cases": [{**relative["cases"][0], "relative_to": 8}]}
     with pytest.raises(SpecError) as caught:
         run_validation(_write(tmp_path, {"g": bad}))
