@@ -363,13 +363,16 @@ def test_the_users_reward_function_scores_decoded_texts(
 
 
 def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
-    """60 GRPO iterations of a 2-layer, 64-wide model: the rule reward (fraction of correct
-    positions) averages 0.060 over the first 10 iterations and 0.475 over the last 10 (seed 0,
-    bf16, benchmarks/learning.py). The test asks for a gain of at least 0.2."""
+    """40 GRPO iterations of a 2-layer, 64-wide model: the rule reward (fraction of correct
+    positions) of the last 10 against the first 10. Seeds 0-4 on this project's 2-core machine
+    (2026-11-28, benchmarks/learning.py's set-up, bf16) gain 0.549, 0.402, 0.380, 0.314 and
+    0.374 by iteration 40 (seed 0: 0.064 -> 0.613), and 0.258-0.411 by iteration 30. The test
+    asks for a gain of at least 0.2; 40 is the fewest of 20, 30 and 40 iterations at which
+    every seed gained 1.5 times that (it ran 60)."""
     j = job("grpo", 2, prompts_per_iteration=32, samples_per_prompt=8,
             train_micro_batch_size=64, infer_micro_batch_size=64)
     p = plan(j, [(("actor", "ref"), 2)], {"actor": (1, 2, "fsdp"), "ref": (1, 2, "none")})
-    result = run(j, p, tmp_path, steps=60, seed=0)
+    result = run(j, p, tmp_path, steps=40, seed=0)
     scores = [m["rule_score"] for m in result.metrics]
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert last > first + 0.2, (first, last)
