@@ -432,6 +432,12 @@ def test_bad_plans_fail_before_any_worker_starts(tmp_path: Path) -> None:
 
 
 def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
+    """``plan`` then ``execute`` as a user types them. Both run in this process (as
+    ``python -m planner`` calls ``planner.cli.main``), so ``execute`` joins this module's Ray
+    instead of starting its own; a refused run is a child process, to show that it fails
+    before any Ray starts."""
+    from tests.test_cli import run as in_process
+
     config = tmp_path / "job.yaml"
     config.write_text(
         "algorithm: grpo\n"
@@ -444,11 +450,11 @@ def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
         return subprocess.run([sys.executable, "-m", "planner", *args], cwd=ROOT, text=True,
                               capture_output=True, timeout=600)
 
-    planned = cli("plan", "--config", str(config), "--backend", "fsdp", "--out",
-                  str(tmp_path / "report"), "--json")
+    planned = in_process("plan", "--config", str(config), "--backend", "fsdp", "--out",
+                         str(tmp_path / "report"), "--json")
     assert planned.returncode == 0, planned.stderr
-    ran = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "2", "--out",
-              str(tmp_path / "run"), "--json")
+    ran = in_process("execute", str(tmp_path / "report" / "plan.json"), "--steps", "2",
+                     "--out", str(tmp_path / "run"), "--json")
     assert ran.returncode == 0, ran.stderr
     summary = json.loads(ran.stdout)
     assert summary["steps"] == 2 and len(summary["rule_score"]) == 2
@@ -463,13 +469,14 @@ def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
         / whole["measured_seconds"])
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["predicted_vs_measured"]["stages"] == summary["predicted_vs_measured"]
-    shown = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "1", "--out",
-                str(tmp_path / "run-1"))
+    shown = in_process("execute", str(tmp_path / "report" / "plan.json"), "--steps", "1",
+                       "--out", str(tmp_path / "run-1"))
     assert shown.returncode == 0, shown.stderr
     assert "predicted (a100-80gb profile, the run's lengths) vs measured" in shown.stdout
     assert shown.stdout.strip().splitlines()[-1].lstrip().startswith("iteration")
     bad = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "0")
     assert bad.returncode == 2 and "Started a local Ray" not in bad.stderr
+    assert ray.is_initialized()  # the in-process runs left this module's Ray running
 
 
 def test_profile_execute_calibrate_accuracy_loop(tmp_path: Path) -> None:
