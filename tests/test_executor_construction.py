@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ from simulator.costs.training import optimizer_memory
 from simulator.specs.parallel import ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 from tests import trainer_workers
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 
 def write_checkpoint(directory: Path, preset: str, seed: int) -> Path:
@@ -77,8 +73,11 @@ def test_seeded_initial_weights_do_not_depend_on_the_layout(tmp_path: Path) -> N
 
 
 def _execute(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "planner", "execute", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    """``hybridflow execute ARGS`` in this process (as ``python -m planner`` runs it): a
+    refused run never reaches Ray, and a child process per case only added its start-up."""
+    from tests.test_cli import run
+
+    return run("execute", *args)
 
 
 def test_cli_checkpoints_are_checked_before_any_worker_starts(
