@@ -305,7 +305,7 @@ def winners(rows: list[dict]) -> list[str]:
 
 def _priced_case(job_mapping: dict, case: dict, source: str):
     """A whole-step case's job priced as its source ran it: (its estimate, the simulated
-    iteration in seconds)."""
+    iteration in seconds, the plan)."""
     from simulator.engine import simulate_estimated
     from simulator.plan import job_as_planned
     from simulator.predict import estimate_plan
