@@ -156,6 +156,9 @@ def test_validate_fails_when_a_group_regresses(tmp_path: Path) -> None:
                                           "gate_max_abs_error_pct: 5.0")
     cases = tmp_path / "cases.yaml"
     cases.write_text(text)
+    # A case's framework profile file is named relative to the cases file: it comes along.
+    for profile in CASES_FILE.parent.glob("hybridflow-paper-*.yaml"):
+        (tmp_path / profile.name).write_text(profile.read_text())
     _, groups = run_validation(cases)
     failing = [g.group for g in groups if not g.passes]
     assert failing == ["fastertransformer_a100_fp16"]
