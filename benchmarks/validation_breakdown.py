@@ -20,7 +20,13 @@ from simulator.engine import simulate
 from simulator.plan import job_as_planned
 from simulator.predict import estimate_plan
 from simulator.specs.job import job_from_mapping
-from simulator.validation import CASES_FILE, _stage_seconds, _with_framework_paths, case_plan
+from simulator.validation import (
+    CASES_FILE,
+    _priced_case,
+    _stage_seconds,
+    _with_framework_paths,
+    case_plan,
+)
 
 
 def main() -> None:
@@ -44,11 +50,9 @@ def main() -> None:
                 predicted = simulate(job, plan).iteration_seconds
             if "relative_to" in case:
                 # A published ratio: this case's stage over the same job with those settings.
-                other = job_from_mapping(merged_mapping(case["job"], case["relative_to"]))
-                other_plan = case_plan(other, case)
-                reference = _stage_seconds(estimate_plan(job_as_planned(other, other_plan),
-                                                         other_plan),
-                                           spec["stage_parts"][measures], str(CASES_FILE))
+                other, _, _ = _priced_case(merged_mapping(case["job"], case["relative_to"]),
+                                           case, str(CASES_FILE))
+                reference = _stage_seconds(other, spec["stage_parts"][measures], str(CASES_FILE))
                 print(f"  {case['name']}: {what} ratio measured {case['measured']:.3f}, "
                       f"predicted {predicted:.1f} s / {reference:.1f} s = "
                       f"{predicted / reference:.3f} "

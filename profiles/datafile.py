@@ -356,19 +356,6 @@ def require(condition: bool, problem: str, key: str | None = None) -> None:
         raise SpecError(problem, key=key)
 
 
-__all__ = [
-    "SpecError",
-    "convert",
-    "did_you_mean",
-    "field_parser",
-    "from_mapping",
-    "read_mapping",
-    "require",
-    "to_mapping",
-    "write_text_atomic",
-]
-
-
 def merged_mapping(base: dict, override: dict) -> dict:
     """``override`` on top of ``base``, section by section (nested mappings merge key by key;
     anything else in ``override`` replaces what ``base`` has)."""
@@ -379,3 +366,17 @@ def merged_mapping(base: dict, override: dict) -> dict:
         else:
             out[key] = value
     return out
+
+
+__all__ = [
+    "SpecError",
+    "convert",
+    "did_you_mean",
+    "field_parser",
+    "from_mapping",
+    "merged_mapping",
+    "read_mapping",
+    "require",
+    "to_mapping",
+    "write_text_atomic",
+]
