@@ -579,30 +579,49 @@ def _price_cap(job: JobSpec, node: Node, gen: GenerationConfig, lengths: Replica
     return table.seconds_by_cap[cap]
 
 
+@dataclass(frozen=True, slots=True)
+class _SetContext:
+    """What every step of one set's frontier reads: the job, the set's operation groups, the
+    memory it may use and the caches it shares with the search."""
+
+    job: JobSpec
+    roles: Sequence[str]
+    group_of: dict[str, int]
+    groups: int
+    usable_bytes: float
+    gpus: int
+    prune: bool
+    generation_cache: dict
+    generate_nodes: list[Node]
+    offload_group: int | None
+    """The group charged with the framework's offload copies (the set's first generation)."""
+
+
 def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                  candidates: dict[str, list[RoleCandidate]], usable_bytes: float, *,
                  gpus: int, prune: bool = True,
                  generation_cache: dict | None = None) -> list[SetPoint]:
     """The non-dominated config combinations of a set on ``gpus`` GPUs (every feasible
     combination when ``prune`` is off)."""
-    generation_cache = {} if generation_cache is None else generation_cache
     group_of = {name: i for i, g in enumerate(groups) for name in g.nodes}
     # A trainer whose actor generates on a rollout set elsewhere has no generation here.
     generate_nodes = [n for n in job.dataflow.nodes if n.role in roles
                       and n.operation == "generate" and not job.generation_elsewhere]
     transition_group = group_of[generate_nodes[0].name] if generate_nodes else None
-    others = [r for r in roles if not any(n.role == r for n in generate_nodes)]
-    generators = [r for r in roles if r not in others]
-    order = [*others, *generators]
     # The framework's offload of trained states happens around the set's first generation.
     # So do the copies of a layout that keeps the actor's parameters in host memory (they come
     # in for the weight update): both are charged to the set's first generation.
-    offload_group = transition_group
+    ctx = _SetContext(job=job, roles=roles, group_of=group_of, groups=len(groups),
+                      usable_bytes=usable_bytes, gpus=gpus, prune=prune,
+                      generation_cache={} if generation_cache is None else generation_cache,
+                      generate_nodes=generate_nodes, offload_group=transition_group)
+    others = [r for r in roles if not any(n.role == r for n in generate_nodes)]
+    generators = [r for r in roles if r not in others]
+    order = [*others, *generators]
     matrices = {r: _contribution_matrix(candidates[r], group_of, len(groups),
                                         transition_group if r in generators else None,
-                                        offload_group)
+                                        ctx.offload_group)
                 for r in order}
-
     labels = {r: [plan_label(c.plan) for c in candidates[r]] for r in order}
     job_order = [r for r in job.gpu_roles if r in roles]
 
@@ -615,160 +634,230 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
                      offload=np.zeros(1))
     for role in others:
         combos = _fold(combos, candidates[role], matrices[role], usable_bytes, prune, label_of,
-                       count_offload=offload_group is not None)
-    profile = job.cluster.profile()
-
-    if not generators:
-        durations = combos.contributions
-        residents = combos.resident
-        transients = combos.transient
-        selected = np.flatnonzero(residents + transients <= usable_bytes)
-    else:
+                       count_offload=ctx.offload_group is not None)
+    if generators:
         (actor_role,) = generators
-        actor = candidates[actor_role]
-        rows_d, rows_pick, rows_resident, rows_transient = [], [], [], []
-        # A config whose engine keeps its cache is its freeing twin's config with the sleep
-        # and wake taken out and the engine's allocation held through the other operations:
-        # it is priced from its twin's group (the memory and decode work are shared).
-        # Plans are matched by (layout, backend, generation): RolePlan's fields, as tuples,
-        # so that no RolePlan is built per candidate.
-        by_generation: dict[GenerationConfig, list[int]] = {}
-        keeping: dict[tuple, int] = {}
-        freeing = {(c.plan.parallel, c.plan.training_backend, c.plan.generation)
-                   for c in actor if c.plan.generation is not None
-                   and c.plan.generation.free_cache is True}
-        with_cache: dict[GenerationConfig, GenerationConfig] = {}
-        leaders = _Leaders(len(groups))
-        for i, c in enumerate(actor):
-            gen = c.plan.generation
-            if gen is not None and gen.free_cache is False:
-                twin = with_cache.setdefault(gen, replace(gen, free_cache=True))
-                if (c.plan.parallel, c.plan.training_backend, twin) in freeing:
-                    keeping[(c.plan.parallel, c.plan.training_backend, gen)] = i
-                    continue
-            # a kept-cache config without a freeing twin (pinned) is priced alone
-            by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
-        for gen, indices in by_generation.items():
-            idx = np.array(indices)
-            kept_gen = replace(gen, free_cache=False)
-            twins = [keeping.get((actor[i].plan.parallel, actor[i].plan.training_backend,
-                                  kept_gen), -1)
-                     if gen.free_cache is True else -1 for i in indices]
-            a_contrib = matrices[actor_role][idx]
-            a_resident = np.array([actor[i].resident.total for i in indices])
-            a_transient = np.array([actor[i].transient_bytes for i in indices])
-            a_extra = np.array([actor[i].extra_generation_bytes for i in indices])
-            a_offload = np.array([actor[i].offload_bytes if offload_group is not None else 0.0
-                                  for i in indices])
-            resident = combos.resident[:, None] + a_resident[None, :]
-            transient = np.maximum(combos.transient[:, None], a_transient[None, :])
-            extra = np.broadcast_to(a_extra[None, :], resident.shape)
-            offloaded = combos.offload[:, None] + a_offload[None, :]
-            during = resident - offloaded  # resident while the engine runs
-            # Each generate node's seconds per (combination, config); the duration vectors
-            # are built only for the pairs that fit (most of the C x A x groups would not).
-            generation_added: list[tuple[int, np.ndarray]] = []
-            engine_weights = generation_weight_bytes(job.model(actor_role), gen,
-                                                     job.workload.dtype)
-            ok = np.maximum(resident + transient, during + extra) <= usable_bytes
-            gen_peak_bytes = np.zeros(resident.shape)
-            # The engine's allocation while idle (Same rule as
-            # simulator.predict.held_engine_bytes, vectorised).
-            allocation = np.zeros(resident.shape)
-            sleep_wake = np.zeros(len(groups))  # what keeping the cache saves, per group
-            for node in generate_nodes:
-                table, lengths = _generation_table(job, node, actor[indices[0]].plan, gpus,
-                                                   generation_cache)
-                # Same rule as simulator.predict.kv_budget_bytes, vectorised.
-                budget = np.minimum(
-                    gen.memory_utilization * profile.memory_bytes - engine_weights
-                    - (table.workspace_bytes if job.rollout.workspace_in_memory_fraction
-                       else 0.0),
-                    usable_bytes - during - extra - table.workspace_bytes)
-                capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token
-                ok &= capacity >= table.longest_tokens
-                allocation = np.maximum(allocation, extra + np.maximum(budget, 0.0)
-                                        + table.workspace_bytes)
-                sleep_wake[group_of[node.name]] += (
-                    generation_fixed_seconds(job, job.model(actor_role), gen)
-                    - generation_fixed_seconds(job, job.model(actor_role), kept_gen)
-                ) * host_slowdown(job, gpus)
-                caps = np.clip(np.floor(capacity / (job.workload.prompt_length
-                                                    + table.mean_response)),
-                               1, min(gen.max_num_seqs, table.sequences)).astype(int)
-                # Same rule as simulator.costs.generation.running_cap, vectorised.
-                unique_caps, which = np.unique(caps[ok], return_inverse=True)
-                seconds = np.array([_generation_seconds(job, node, gen, lengths, table,
-                                                        int(cap), gpus)
-                                    for cap in unique_caps])
-                peak_kv_bytes = np.array([table.peak_kv_bytes_by_cap[int(cap)]
-                                          for cap in unique_caps])
-                added = np.zeros(resident.shape)
-                added[ok] = seconds[which]
-                generation_added.append((group_of[node.name], added))
-                peak = extra[ok] + peak_kv_bytes[which] + table.workspace_bytes
-                gen_peak_bytes[ok] = np.maximum(gen_peak_bytes[ok], peak)
-            held = allocation if not frees_cache(job, gen) else 0.0
-            within = ok & (during + gen_peak_bytes <= usable_bytes)
-            twin_of = np.array(twins)
-            variants = []
-            if (twin_of >= 0).any():
-                # Only the twins' columns have a kept variant.
-                kept = within & (twin_of >= 0)[None, :] & (
-                    resident + transient + allocation <= usable_bytes)
-                variants.append((np.maximum(twin_of, 0), allocation, sleep_wake, kept))
-                if prune and sleep_wake.sum() > 0:
-                    # Where the kept variant fits, its durations are its freeing twin's less
-                    # the sleep and wake: the twin is dominated (pareto_mask would drop it).
-                    within = within & ~kept
-            variants.append((idx, held, None, within & (resident + transient + held
-                                                        <= usable_bytes)))
-            for picks, held_bytes, saved, fits in variants:
-                o_idx, a_idx = np.nonzero(fits)
-                if len(o_idx) == 0:
-                    continue
-                # Column by column: the same sums as the rows' (c + a + generation - saved).
-                columns = [combos.contributions[o_idx, j] + a_contrib[a_idx, j]
-                           for j in range(len(groups))]
-                for column, added in generation_added:
-                    columns[column] += added[o_idx, a_idx]
-                if saved is not None:
-                    columns = [c - saved[j] for j, c in enumerate(columns)]
-                if prune:
-                    keep = leaders.undominated(columns)
-                    columns, o_idx, a_idx = [c[keep] for c in columns], o_idx[keep], a_idx[keep]
-                rows_d.append(np.column_stack(columns))
-                rows_pick.append(np.column_stack([combos.picks[o_idx], picks[a_idx]]))
-                rows_resident.append(resident[o_idx, a_idx])
-                rows_transient.append(np.maximum(transient + held_bytes,
-                                                 gen_peak_bytes - offloaded)[o_idx, a_idx])
-        if not rows_d:
+        combos = _with_actor(ctx, combos, actor_role, candidates[actor_role],
+                             matrices[actor_role])
+        if combos is None:
             return []
-        durations = np.concatenate(rows_d)
-        residents = np.concatenate(rows_resident)
-        transients = np.concatenate(rows_transient)
-        combos = _Combos(contributions=durations, resident=residents, transient=transients,
-                         picks=np.concatenate(rows_pick), offload=np.zeros(len(residents)))
-        selected = np.arange(len(durations))
-
+        selected = np.arange(len(combos.resident))
+    else:
+        selected = np.flatnonzero(combos.resident + combos.transient <= usable_bytes)
     if prune and len(selected) > 1:
-        # Among equal duration vectors keep the least memory, then the smallest configs: the
-        # order Candidate.sort_key uses, so pruning never drops the plan a full search keeps.
-        def key_of(rows: np.ndarray) -> list:
-            return [(rounded(float(residents[row])), rounded(float(transients[row])),
-                     label_of(combos.picks[row])) for row in selected[rows]]
+        selected = _least_memory_among_equals(combos, selected, label_of)
+    return [_set_point(combos, row, order, candidates, roles) for row in selected]
 
-        selected = selected[pareto_mask(durations[selected], key_of=key_of)]
-    points = []
-    for row in selected:
-        chosen = [candidates[role][int(k)] for role, k in zip(order, combos.picks[row],
-                                                            strict=True)]
-        resident = sum((c.resident for c in chosen), MemoryBreakdown())
-        transient_bytes = float(transients[row])
-        plans = tuple(sorted(((c.role, c.plan) for c in chosen),
-                             key=lambda item: list(roles).index(item[0])))
-        points.append(SetPoint(durations=tuple(float(x) for x in durations[row]), plans=plans,
-                               peak=resident + MemoryBreakdown(activations=transient_bytes),
-                               resident_bytes=float(residents[row]),
-                               transient_bytes=transient_bytes))
-    return points
+
+def _with_actor(ctx: _SetContext, combos: _Combos, actor_role: str,
+                actor: list[RoleCandidate], matrix: np.ndarray) -> _Combos | None:
+    """The other models' combinations completed with each config of the generating actor:
+    what fits, with each generate node's seconds at the running cap the memory left allows
+    (None when nothing fits)."""
+    rows: list[_Combos] = []
+    leaders = _Leaders(ctx.groups)
+    by_generation, keeping = _generation_families(actor)
+    for gen, indices in by_generation.items():
+        rows.extend(_actor_rows(ctx, combos, actor_role, actor, matrix, gen, indices, keeping,
+                                leaders))
+    if not rows:
+        return None
+    residents = np.concatenate([r.resident for r in rows])
+    return _Combos(contributions=np.concatenate([r.contributions for r in rows]),
+                   resident=residents, transient=np.concatenate([r.transient for r in rows]),
+                   picks=np.concatenate([r.picks for r in rows]),
+                   offload=np.zeros(len(residents)))
+
+
+def _generation_families(actor: list[RoleCandidate],
+                         ) -> tuple[dict[GenerationConfig, list[int]], dict[tuple, int]]:
+    """The actor's configs grouped by generation config, and the kept-cache twins.
+
+    A config whose engine keeps its cache is its freeing twin's config with the sleep and
+    wake taken out and the engine's allocation held through the other operations: it is
+    priced from its twin's group (the memory and decode work are shared). Plans are matched
+    by (layout, backend, generation): RolePlan's fields, as tuples, so that no RolePlan is
+    built per candidate."""
+    by_generation: dict[GenerationConfig, list[int]] = {}
+    keeping: dict[tuple, int] = {}
+    freeing = {(c.plan.parallel, c.plan.training_backend, c.plan.generation)
+               for c in actor if c.plan.generation is not None
+               and c.plan.generation.free_cache is True}
+    with_cache: dict[GenerationConfig, GenerationConfig] = {}
+    for i, c in enumerate(actor):
+        gen = c.plan.generation
+        if gen is not None and gen.free_cache is False:
+            twin = with_cache.setdefault(gen, replace(gen, free_cache=True))
+            if (c.plan.parallel, c.plan.training_backend, twin) in freeing:
+                keeping[(c.plan.parallel, c.plan.training_backend, gen)] = i
+                continue
+        # a kept-cache config without a freeing twin (pinned) is priced alone
+        by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
+    return by_generation, keeping
+
+
+@dataclass(slots=True)
+class _ActorMemory:
+    """Per (combination, actor config) of one generation config: bytes per GPU."""
+
+    resident: np.ndarray
+    transient: np.ndarray
+    extra: np.ndarray
+    """Generation weights beyond the actor's resident training shard."""
+    offloaded: np.ndarray
+    during: np.ndarray
+    """Resident while the engine runs (the offloaded states are out)."""
+
+
+@dataclass(slots=True)
+class _EngineFit:
+    """What the generate nodes need and take, per (combination, actor config)."""
+
+    ok: np.ndarray
+    """Whether the longest sequence fits every node's KV cache."""
+    allocation: np.ndarray
+    """The engine's allocation while idle (as simulator.predict.held_engine_bytes)."""
+    peak_bytes: np.ndarray
+    sleep_wake: np.ndarray
+    """What keeping the cache saves, per group (seconds)."""
+    added: list[tuple[int, np.ndarray]]
+    """(group, seconds) of each generate node."""
+
+
+def _actor_rows(ctx: _SetContext, combos: _Combos, actor_role: str,
+                actor: list[RoleCandidate], matrix: np.ndarray, gen: GenerationConfig,
+                indices: list[int], keeping: dict[tuple, int], leaders: _Leaders,
+                ) -> list[_Combos]:
+    """The completed combinations of one generation config: its freeing configs and, where
+    they fit, their kept-cache twins (a ``_Combos`` per variant with rows)."""
+    idx = np.array(indices)
+    a_contrib = matrix[idx]
+    kept_gen = replace(gen, free_cache=False)
+    twin_of = np.array([keeping.get((actor[i].plan.parallel, actor[i].plan.training_backend,
+                                     kept_gen), -1)
+                        if gen.free_cache is True else -1 for i in indices])
+    memory = _actor_memory(ctx, combos, [actor[i] for i in indices])
+    fit = _engine_fit(ctx, actor_role, actor[indices[0]].plan, gen, kept_gen, memory)
+    usable = ctx.usable_bytes
+    held = fit.allocation if not frees_cache(ctx.job, gen) else 0.0
+    within = fit.ok & (memory.during + fit.peak_bytes <= usable)
+    variants = []
+    if (twin_of >= 0).any():
+        # Only the twins' columns have a kept variant.
+        kept = within & (twin_of >= 0)[None, :] & (
+            memory.resident + memory.transient + fit.allocation <= usable)
+        variants.append((np.maximum(twin_of, 0), fit.allocation, fit.sleep_wake, kept))
+        if ctx.prune and fit.sleep_wake.sum() > 0:
+            # Where the kept variant fits, its durations are its freeing twin's less the
+            # sleep and wake: the twin is dominated (pareto_mask would drop it).
+            within = within & ~kept
+    variants.append((idx, held, None, within & (memory.resident + memory.transient + held
+                                                <= usable)))
+    rows = []
+    for picks, held_bytes, saved, fits in variants:
+        o_idx, a_idx = np.nonzero(fits)
+        if len(o_idx) == 0:
+            continue
+        # Column by column: the same sums as the rows' (c + a + generation - saved).
+        columns = [combos.contributions[o_idx, j] + a_contrib[a_idx, j]
+                   for j in range(ctx.groups)]
+        for column, added in fit.added:
+            columns[column] += added[o_idx, a_idx]
+        if saved is not None:
+            columns = [c - saved[j] for j, c in enumerate(columns)]
+        if ctx.prune:
+            keep = leaders.undominated(columns)
+            columns, o_idx, a_idx = [c[keep] for c in columns], o_idx[keep], a_idx[keep]
+        rows.append(_Combos(
+            contributions=np.column_stack(columns),
+            resident=memory.resident[o_idx, a_idx],
+            transient=np.maximum(memory.transient + held_bytes,
+                                 fit.peak_bytes - memory.offloaded)[o_idx, a_idx],
+            picks=np.column_stack([combos.picks[o_idx], picks[a_idx]]),
+            offload=np.zeros(len(o_idx))))
+    return rows
+
+
+def _actor_memory(ctx: _SetContext, combos: _Combos,
+                  configs: list[RoleCandidate]) -> _ActorMemory:
+    a_resident = np.array([c.resident.total for c in configs])
+    a_transient = np.array([c.transient_bytes for c in configs])
+    a_extra = np.array([c.extra_generation_bytes for c in configs])
+    a_offload = np.array([c.offload_bytes if ctx.offload_group is not None else 0.0
+                          for c in configs])
+    resident = combos.resident[:, None] + a_resident[None, :]
+    offloaded = combos.offload[:, None] + a_offload[None, :]
+    return _ActorMemory(resident=resident,
+                        transient=np.maximum(combos.transient[:, None], a_transient[None, :]),
+                        extra=np.broadcast_to(a_extra[None, :], resident.shape),
+                        offloaded=offloaded, during=resident - offloaded)
+
+
+def _engine_fit(ctx: _SetContext, actor_role: str, plan: RolePlan, gen: GenerationConfig,
+                kept_gen: GenerationConfig, memory: _ActorMemory) -> _EngineFit:
+    """Each generate node's KV budget, running cap and seconds, per (combination, config);
+    the seconds are priced only for the pairs that fit (most would not)."""
+    job = ctx.job
+    profile = job.cluster.profile()
+    model = job.model(actor_role)
+    engine_weights = generation_weight_bytes(model, gen, job.workload.dtype)
+    shape = memory.resident.shape
+    ok = np.maximum(memory.resident + memory.transient,
+                    memory.during + memory.extra) <= ctx.usable_bytes
+    fit = _EngineFit(ok=ok, allocation=np.zeros(shape), peak_bytes=np.zeros(shape),
+                     sleep_wake=np.zeros(ctx.groups), added=[])
+    for node in ctx.generate_nodes:
+        table, lengths = _generation_table(job, node, plan, ctx.gpus, ctx.generation_cache)
+        # Same rule as simulator.predict.kv_budget_bytes, vectorised.
+        budget = np.minimum(
+            gen.memory_utilization * profile.memory_bytes - engine_weights
+            - (table.workspace_bytes if job.rollout.workspace_in_memory_fraction else 0.0),
+            ctx.usable_bytes - memory.during - memory.extra - table.workspace_bytes)
+        capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token
+        fit.ok &= capacity >= table.longest_tokens
+        fit.allocation = np.maximum(fit.allocation, memory.extra + np.maximum(budget, 0.0)
+                                    + table.workspace_bytes)
+        fit.sleep_wake[ctx.group_of[node.name]] += (
+            generation_fixed_seconds(job, model, gen)
+            - generation_fixed_seconds(job, model, kept_gen)) * host_slowdown(job, ctx.gpus)
+        caps = np.clip(np.floor(capacity / (job.workload.prompt_length + table.mean_response)),
+                       1, min(gen.max_num_seqs, table.sequences)).astype(int)
+        # Same rule as simulator.costs.generation.running_cap, vectorised.
+        unique_caps, which = np.unique(caps[fit.ok], return_inverse=True)
+        seconds = np.array([_generation_seconds(job, node, gen, lengths, table, int(cap),
+                                                ctx.gpus)
+                            for cap in unique_caps])
+        peak_kv_bytes = np.array([table.peak_kv_bytes_by_cap[int(cap)] for cap in unique_caps])
+        added = np.zeros(shape)
+        added[fit.ok] = seconds[which]
+        fit.added.append((ctx.group_of[node.name], added))
+        peak = memory.extra[fit.ok] + peak_kv_bytes[which] + table.workspace_bytes
+        fit.peak_bytes[fit.ok] = np.maximum(fit.peak_bytes[fit.ok], peak)
+    return fit
+
+
+def _least_memory_among_equals(combos: _Combos, selected: np.ndarray,
+                               label_of: Callable[[np.ndarray], tuple[str, ...]],
+                               ) -> np.ndarray:
+    """The non-dominated rows of ``selected``; among equal duration vectors the least memory,
+    then the smallest configs: the order Candidate.sort_key uses, so pruning never drops the
+    plan a full search keeps."""
+    def key_of(rows: np.ndarray) -> list:
+        return [(rounded(float(combos.resident[row])), rounded(float(combos.transient[row])),
+                 label_of(combos.picks[row])) for row in selected[rows]]
+
+    return selected[pareto_mask(combos.contributions[selected], key_of=key_of)]
+
+
+def _set_point(combos: _Combos, row: int, order: list[str],
+               candidates: dict[str, list[RoleCandidate]], roles: Sequence[str]) -> SetPoint:
+    chosen = [candidates[role][int(k)] for role, k in zip(order, combos.picks[row],
+                                                        strict=True)]
+    resident = sum((c.resident for c in chosen), MemoryBreakdown())
+    transient_bytes = float(combos.transient[row])
+    plans = tuple(sorted(((c.role, c.plan) for c in chosen),
+                         key=lambda item: list(roles).index(item[0])))
+    return SetPoint(durations=tuple(float(x) for x in combos.contributions[row]), plans=plans,
+                    peak=resident + MemoryBreakdown(activations=transient_bytes),
+                    resident_bytes=float(combos.resident[row]),
+                    transient_bytes=transient_bytes)
