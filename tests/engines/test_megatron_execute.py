@@ -2,19 +2,20 @@
 of tests/compat/megatron_cpu.py passed with ``--worker-setup``): PPO with Megatron training
 for actor and critic and vLLM generation, and a pp = 2 plan with the distributed optimizer.
 Each run is checked against the same iterations on the torch backend: both import the same
-initial weights and see the same prompts, so their metrics agree to fp32 reduction order."""
+initial weights and see the same prompts, so their metrics agree to fp32 reduction order.
+The runs are ``hybridflow execute`` in this process, on the stage's one Ray (``engine_ray``)."""
 
 from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.test_cli import run as hybridflow
+
+pytestmark = pytest.mark.usefixtures("engine_ray")
 SETUP = "tests.compat.megatron_cpu:install"
 METRIC_TOLERANCE = 1e-4
 """Relative: fp32 metrics after two PPO iterations of updates at lr 1e-2 (seen: 2e-6 on
@@ -50,11 +51,11 @@ def _plan(tmp_path: Path, gpus: int, roles: dict) -> Path:
 
 
 def _execute(plan: Path, job: Path, out: Path, setup: bool) -> list[dict]:
-    command = [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
-               "--steps", "2", "--out", str(out), "--reward-warmup", "0"]
+    command = ["execute", str(plan), "--config", str(job), "--steps", "2", "--out", str(out),
+               "--reward-warmup", "0"]
     if setup:
         command += ["--worker-setup", SETUP]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = hybridflow(*command)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out / "metrics.csv") as f:
         return list(csv.DictReader(f))
@@ -153,9 +154,7 @@ def test_a_plan_made_by_plain_hybridflow_plan_executes(tmp_path: Path) -> None:
         "workload": {"prompts_per_iteration": 8, "prompt_length": 5, "response_length": 5,
                      "mini_batches_per_epoch": 2, "dtype": "fp32"}}))
     report = tmp_path / "report"
-    planned = subprocess.run([sys.executable, "-m", "planner", "plan", "--config", str(job),
-                              "--out", str(report)], cwd=ROOT, capture_output=True, text=True,
-                             timeout=900)
+    planned = hybridflow("plan", "--config", str(job), "--out", str(report))
     assert planned.returncode == 0, planned.stderr[-3000:]
     plan = json.loads((report / "plan.json").read_text())
     assert {rp["training_backend"] for rp in plan["roles"].values()} <= {"torch", "megatron"}
@@ -210,10 +209,8 @@ def test_a_resumed_megatron_run_ends_with_the_uninterrupted_runs_weights(
     plan, job = _plan(tmp_path, 2, roles), _job(tmp_path, 2, {}, dtype="bf16")
 
     def run(*extra: str) -> None:
-        command = [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
-                   "--reward-warmup", "0", "--seed", "7", "--worker-setup", SETUP, *extra]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                                timeout=900)
+        result = hybridflow("execute", str(plan), "--config", str(job), "--reward-warmup", "0",
+                            "--seed", "7", "--worker-setup", SETUP, *extra)
         assert result.returncode == 0, result.stderr[-3000:]
 
     run("--steps", "4", "--out", str(tmp_path / "whole"), "--save-hf", str(tmp_path / "a"))
@@ -222,9 +219,7 @@ def test_a_resumed_megatron_run_ends_with_the_uninterrupted_runs_weights(
     shards = sorted(p.name for p in (tmp_path / "half" / "checkpoints" / "iter_000002" /
                                      "actor").iterdir())
     assert shards.count("__0_0.distcp") == 1 and "__1_0.distcp" in shards  # one per rank
-    resumed = subprocess.run(
-        [sys.executable, "-m", "planner", "execute", "--resume", str(tmp_path / "half"),
-         "--steps", "4"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    resumed = hybridflow("execute", "--resume", str(tmp_path / "half"), "--steps", "4")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = load_file(tmp_path / "a" / "model.safetensors"), \
         load_file(tmp_path / "b" / "model.safetensors")

@@ -15,7 +15,6 @@ from executor.model import build_model
 from executor.trainer import Trainer
 from simulator.specs.parallel import ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
-from tests.conftest import ROOT
 
 SPEC = MODEL_PRESETS["tiny-2l-hd32"]
 LOG_PROB_TOLERANCE = 1e-4
@@ -106,11 +105,11 @@ def test_sampled_log_probs_agree_with_the_trainers_recomputation(engines) -> Non
     assert torch.allclose(recomputed * mask, out.log_probs * mask, atol=LOG_PROB_TOLERANCE)
 
 
+@pytest.mark.usefixtures("engine_ray")
 def test_execute_runs_grpo_with_vllm_generation_and_records_the_backend(tmp_path: Path) -> None:
     """A plan with the actor trained tp 2 and generating with vLLM at tp 2 on two virtual
-    GPUs, through the CLI (execute also starts and stops its own Ray)."""
-    import subprocess
-    import sys
+    GPUs, through the CLI (in this process, on the stage's Ray)."""
+    from tests.test_cli import run as hybridflow
 
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps({
@@ -130,9 +129,8 @@ def test_execute_runs_grpo_with_vllm_generation_and_records_the_backend(tmp_path
         "roles": {"actor": {"parallel": par, "generation": {"tp": 2}},
                   "ref": {"parallel": par}}}))
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "planner", "execute", str(plan), "--config",
-                             str(job), "--steps", "2", "--out", str(out), "--reward-warmup",
-                             "0"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = hybridflow("execute", str(plan), "--config", str(job), "--steps", "2", "--out",
+                        str(out), "--reward-warmup", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = pd.read_csv(out / "measurements.csv")
     backend = dict(zip(rows["node"], rows["backend"], strict=False))
