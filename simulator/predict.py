@@ -34,7 +34,7 @@ from simulator.packing import (
     pack_stratified_batch,
     token_budget_batch,
 )
-from simulator.plan import Plan, RolePlan, job_as_planned
+from simulator.plan import ColocatedSet, Plan, RolePlan, job_as_planned
 from simulator.specs.cluster import Pool
 from simulator.specs.dataflow import CONTROLLER, RULE_ROLES, Node
 from simulator.specs.job import JobSpec
@@ -747,6 +747,18 @@ def transition_scheme_of(job: JobSpec, actor: RolePlan) -> Scheme:
     return job.framework_profile.transition_scheme(actor.parallel.sharding)
 
 
+@dataclass(slots=True)
+class _SetStates:
+    """Per role and per set of one plan: the states it holds and moves (``estimate_plan``)."""
+
+    resident: dict[str, MemoryBreakdown]
+    freed_grads: dict[str, float]
+    set_resident: list[MemoryBreakdown]
+    set_offload: list[MemoryBreakdown]
+    set_offload_seconds: list[float]
+    set_offload_out_seconds: list[float]
+
+
 def estimate_plan(job: JobSpec, plan: Plan, *,
                   transition_scheme: Scheme | None = None) -> PlanEstimate:
     """Predict every node of ``job``'s dataflow under ``plan`` (one iteration).
@@ -762,26 +774,47 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
     views = [job.on_pool(pool) for pool in set_pools]
     rollout_location = len(plan.sets) if plan.rollout is not None else None
     view_of = {r: views[i] for i, s in enumerate(plan.sets) for r in s.roles}
-    dtype = job.workload.dtype
-    dataflow = job.dataflow
     reasons: list[str] = []
+    states = _set_states(job, plan, view_of, asynchronous=rollout_location is not None)
+    nodes = _node_estimates(job, plan, located, views, states, rollout_location, reasons)
+    memory = _set_memories(located, views, nodes, states.set_resident, reasons)
+    chosen, schemes, sync = _actor_transition(job, plan, view_of, rollout_location,
+                                              transition_scheme)
+    return PlanEstimate(nodes=nodes, transition=chosen, transition_schemes=schemes,
+                        transfers=_transfers(job, nodes, set_pools), memory=memory,
+                        tokens_per_iteration=job.workload.tokens_per_iteration(),
+                        reasons=tuple(reasons), weight_sync=sync)
 
+
+def _set_states(job: JobSpec, plan: Plan, view_of: dict[str, JobSpec], *,
+                asynchronous: bool) -> _SetStates:
+    """Each model's resident state and each set's sums, with what the framework offloads
+    around a colocated generation (nothing on an asynchronous plan's trainer)."""
     resident: dict[str, MemoryBreakdown] = {}
     freed_grads: dict[str, float] = {}
     for role in job.gpu_roles:
         resident[role], freed_grads[role] = role_state(job, role, plan.roles[role].parallel)
-    set_resident = [sum((resident[r] for r in s.roles), MemoryBreakdown()) for s in plan.sets]
     offloads = {r: offload_state(view_of[r], r, plan.roles[r].parallel)
-                if rollout_location is None else (MemoryBreakdown(), 0.0) for r in job.gpu_roles}
-    set_offload = [sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
-                   for s in plan.sets]
-    set_offload_seconds = [sum(offloads[r][1] for r in s.roles) for s in plan.sets]
-    set_offload_out_seconds = [sum(offload_copy_seconds(view_of[r], r, plan.roles[r].parallel)[1]
-                                   for r in s.roles) if rollout_location is None else 0.0
-                               for s in plan.sets]
+                if not asynchronous else (MemoryBreakdown(), 0.0) for r in job.gpu_roles}
+    return _SetStates(
+        resident=resident, freed_grads=freed_grads,
+        set_resident=[sum((resident[r] for r in s.roles), MemoryBreakdown())
+                      for s in plan.sets],
+        set_offload=[sum((offloads[r][0] for r in s.roles), MemoryBreakdown())
+                     for s in plan.sets],
+        set_offload_seconds=[sum(offloads[r][1] for r in s.roles) for s in plan.sets],
+        set_offload_out_seconds=[
+            sum(offload_copy_seconds(view_of[r], r, plan.roles[r].parallel)[1]
+                for r in s.roles) if not asynchronous else 0.0
+            for s in plan.sets])
 
+
+def _node_estimates(job: JobSpec, plan: Plan, located: tuple[ColocatedSet, ...],
+                    views: list[JobSpec], states: _SetStates, rollout_location: int | None,
+                    reasons: list[str]) -> dict[str, NodeEstimate]:
+    """Every node's estimate in dataflow order; why one does not fit goes to ``reasons``."""
     nodes: dict[str, NodeEstimate] = {}
-    for node in dataflow.nodes:
+    for node in job.dataflow.nodes:
         if node.role == CONTROLLER or node.role in job.rule_roles:
             nodes[node.name] = controller_node(job, node)
             continue
@@ -795,22 +828,28 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
             continue
         location = plan.set_index(node.role)
         estimate = model_node(views[location], node, plan.roles[node.role], location=location,
-                              set_resident_bytes=set_resident[location].total,
-                              resident=resident[node.role],
-                              freed_grads=freed_grads[node.role],
-                              set_offload=set_offload[location],
-                              set_offload_seconds=set_offload_seconds[location],
-                              set_offload_out_seconds=set_offload_out_seconds[location])
+                              set_resident_bytes=states.set_resident[location].total,
+                              resident=states.resident[node.role],
+                              freed_grads=states.freed_grads[node.role],
+                              set_offload=states.set_offload[location],
+                              set_offload_seconds=states.set_offload_seconds[location],
+                              set_offload_out_seconds=states.set_offload_out_seconds[location])
         if not estimate.feasible:
             s = plan.sets[location]
             reasons.append(f"{node.name}: {estimate.reason} (set {location}: {s.label()} on "
-                           f"{s.gpus} GPUs holds {set_resident[location].total / GIB:.1f} GiB "
-                           "of model state)")
+                           f"{s.gpus} GPUs holds {states.set_resident[location].total / GIB:.1f} "
+                           "GiB of model state)")
         nodes[node.name] = estimate
+    return nodes
 
-    # Set memory: resident state + the largest transient need.
+
+def _set_memories(located: tuple[ColocatedSet, ...], views: list[JobSpec],
+                  nodes: dict[str, NodeEstimate], set_resident: list[MemoryBreakdown],
+                  reasons: list[str]) -> tuple[SetMemory, ...]:
+    """Each set's memory: resident state + the largest transient need (a rollout set holds no
+    training state); a set that does not fit adds its message to ``reasons``."""
     memory: list[SetMemory] = []
-    set_resident.extend(MemoryBreakdown() for _ in located[len(plan.sets):])
+    resident = set_resident + [MemoryBreakdown() for _ in located[len(set_resident):]]
     for i, s in enumerate(located):
         # A colocated engine that keeps its cache holds it through the set's other operations.
         held = max((n.detail.get("held_engine_bytes", 0.0) for n in nodes.values()
@@ -823,31 +862,41 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
 
         worst = max((n for n in nodes.values() if n.location == i),
                     key=lambda n: need(n).total, default=None)
-        peak = set_resident[i] + (need(worst) if worst else MemoryBreakdown())
-        sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=set_resident[i],
+        peak = resident[i] + (need(worst) if worst else MemoryBreakdown())
+        sm = SetMemory(index=i, label=s.label(), gpus=s.gpus, resident=resident[i],
                        peak=peak, peak_node=worst.name if worst else "",
                        available_bytes=views[i].cluster.profile().usable_memory_bytes,
                        device=views[i].cluster.profile().name)
         memory.append(sm)
         if not sm.fits:
             reasons.append(sm.message())
+    return tuple(memory)
 
-    # The actor's transition between its training and generation layouts.
+
+def _actor_transition(job: JobSpec, plan: Plan, view_of: dict[str, JobSpec],
+                      rollout_location: int | None, transition_scheme: Scheme | None,
+                      ) -> tuple[TransitionCost | None, dict[str, TransitionCost],
+                                 WeightSyncCost | None]:
+    """(the chosen resharding, every scheme's, the weight sync): the actor's way between its
+    training and generation layouts, or to an asynchronous plan's rollout set."""
     actor_plan = plan.roles.get("actor")
-    schemes: dict[str, TransitionCost] = {}
-    chosen = None
-    sync = None
     if actor_plan is not None and rollout_location is not None:
-        sync = weight_sync_cost(job, plan)
-    elif actor_plan is not None and actor_plan.generation is not None \
+        return None, {}, weight_sync_cost(job, plan)
+    if actor_plan is not None and actor_plan.generation is not None \
             and not job.generation_elsewhere:
         actor_view = view_of["actor"]
         schemes = compare_schemes(job.model("actor"), actor_view.cluster.profile(),
-                                  actor_plan.parallel, actor_plan.generation, dtype=dtype,
+                                  actor_plan.parallel, actor_plan.generation,
+                                  dtype=job.workload.dtype,
                                   gpus_per_node=actor_view.cluster.gpus_per_node)
-        chosen = schemes[transition_scheme or transition_scheme_of(job, actor_plan)]
+        return schemes[transition_scheme or transition_scheme_of(job, actor_plan)], schemes, None
+    return None, {}, None
 
-    # Every edge goes through the controller.
+
+def _transfers(job: JobSpec, nodes: dict[str, NodeEstimate],
+               set_pools: tuple[Pool, ...]) -> dict[tuple[str, str], float]:
+    """Seconds along every dataflow edge (each goes through the controller)."""
+    dataflow = job.dataflow
     transfers: dict[tuple[str, str], float] = {}
     for node in dataflow.nodes:
         for dep in node.after:
@@ -855,11 +904,7 @@ def estimate_plan(job: JobSpec, plan: Plan, *,
                                    nodes[node.name].location, set_pools)
             if seconds > 0:
                 transfers[(dep, node.name)] = seconds
-
-    return PlanEstimate(nodes=nodes, transition=chosen, transition_schemes=schemes,
-                        transfers=transfers, memory=tuple(memory),
-                        tokens_per_iteration=job.workload.tokens_per_iteration(),
-                        reasons=tuple(reasons), weight_sync=sync)
+    return transfers
 
 
 def rollout_plan(plan: Plan) -> RolePlan:
