@@ -126,7 +126,7 @@ def tiny(framework: str) -> JobSpec:
         "algorithm": "grpo" if grpo else "ppo", "framework": framework,
         "models": {"actor": "tiny-4l", "ref": "tiny-2l", "reward": "rule"} if grpo else
         {"actor": "tiny-4l", "critic": "tiny-4l", "ref": "tiny-2l", "reward": "tiny-2l"},
-        "cluster": {"nodes": 1, "gpus_per_node": 8},
+        "cluster": {"nodes": 1, "gpus_per_node": 4},
         "workload": {"prompts_per_iteration": 64, "prompt_length": 16,
                      "mini_batches_per_epoch": 2, "samples_per_prompt": 2 if grpo else 1,
                      "response_length": {"distribution": "uniform", "min": 4, "max": 32}}})
@@ -136,7 +136,12 @@ def tiny(framework: str) -> JobSpec:
 def test_search_equals_brute_force_under_each_framework(framework: str) -> None:
     """The search's frontiers and bounds stay exact with each framework's mechanisms on
     (old-log-prob pass, sleep/wake, offload, per-instance memory utilisation, two values of
-    it tried; SGLang's weight backup and its memory fraction without the workspace)."""
+    it tried; SGLang's weight backup and its memory fraction without the workspace).
+
+    On 4 GPUs (74 s -> 29 s for verl): the frontier's mistakes that 8 GPUs catch, 4 catch too
+    (checked by mutation, 2026-11-28: sleep and wake not subtracted from a kept-cache config,
+    the transition left out of the actor's groups; both caught at 4 and 8 GPUs, verl and
+    verl:sglang)."""
     name, _, engine = framework.partition(":")
     job = replace(tiny(name), rollout_engine=engine or None)
     space = SpaceOptions(micro_batches=(1,), backend="fsdp", memory_utilization=(0.9,))
