@@ -585,7 +585,6 @@ class _SetContext:
     memory it may use and the caches it shares with the search."""
 
     job: JobSpec
-    roles: Sequence[str]
     group_of: dict[str, int]
     groups: int
     usable_bytes: float
@@ -611,7 +610,7 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     # The framework's offload of trained states happens around the set's first generation.
     # So do the copies of a layout that keeps the actor's parameters in host memory (they come
     # in for the weight update): both are charged to the set's first generation.
-    ctx = _SetContext(job=job, roles=roles, group_of=group_of, groups=len(groups),
+    ctx = _SetContext(job=job, group_of=group_of, groups=len(groups),
                       usable_bytes=usable_bytes, gpus=gpus, prune=prune,
                       generation_cache={} if generation_cache is None else generation_cache,
                       generate_nodes=generate_nodes, offload_group=transition_group)

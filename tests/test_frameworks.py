@@ -140,8 +140,9 @@ def test_search_equals_brute_force_under_each_framework(framework: str) -> None:
 
     On 4 GPUs (74 s -> 29 s for verl): the frontier's mistakes that 8 GPUs catch, 4 catch too
     (checked by mutation, 2026-11-28: sleep and wake not subtracted from a kept-cache config,
-    the transition left out of the actor's groups; both caught at 4 and 8 GPUs, verl and
-    verl:sglang)."""
+    the transition left out of the actor's groups, both caught at 4 and 8 GPUs by verl and
+    verl:sglang; the offload's seconds left out, caught at both by nemo-rl, whose best plan
+    offloads)."""
     name, _, engine = framework.partition(":")
     job = replace(tiny(name), rollout_engine=engine or None)
     space = SpaceOptions(micro_batches=(1,), backend="fsdp", memory_utilization=(0.9,))
