@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from profiles.device import DeviceProfile
 from simulator.costs.generation import (
     ReplicaBatch,
     decode,
@@ -585,6 +586,8 @@ class _SetContext:
     memory it may use and the caches it shares with the search."""
 
     job: JobSpec
+    profile: DeviceProfile
+    """The set's device, with the cluster's network."""
     group_of: dict[str, int]
     groups: int
     usable_bytes: float
@@ -610,8 +613,8 @@ def set_frontier(job: JobSpec, roles: Sequence[str], groups: tuple[Group, ...],
     # The framework's offload of trained states happens around the set's first generation.
     # So do the copies of a layout that keeps the actor's parameters in host memory (they come
     # in for the weight update): both are charged to the set's first generation.
-    ctx = _SetContext(job=job, group_of=group_of, groups=len(groups),
-                      usable_bytes=usable_bytes, gpus=gpus, prune=prune,
+    ctx = _SetContext(job=job, profile=job.cluster.profile(), group_of=group_of,
+                      groups=len(groups), usable_bytes=usable_bytes, gpus=gpus, prune=prune,
                       generation_cache={} if generation_cache is None else generation_cache,
                       generate_nodes=generate_nodes, offload_group=transition_group)
     others = [r for r in roles if not any(n.role == r for n in generate_nodes)]
@@ -797,7 +800,6 @@ def _engine_fit(ctx: _SetContext, actor_role: str, plan: RolePlan, gen: Generati
     """Each generate node's KV budget, running cap and seconds, per (combination, config);
     the seconds are priced only for the pairs that fit (most would not)."""
     job = ctx.job
-    profile = job.cluster.profile()
     model = job.model(actor_role)
     engine_weights = generation_weight_bytes(model, gen, job.workload.dtype)
     shape = memory.resident.shape
@@ -809,7 +811,7 @@ def _engine_fit(ctx: _SetContext, actor_role: str, plan: RolePlan, gen: Generati
         table, lengths = _generation_table(job, node, plan, ctx.gpus, ctx.generation_cache)
         # Same rule as simulator.predict.kv_budget_bytes, vectorised.
         budget = np.minimum(
-            gen.memory_utilization * profile.memory_bytes - engine_weights
+            gen.memory_utilization * ctx.profile.memory_bytes - engine_weights
             - (table.workspace_bytes if job.rollout.workspace_in_memory_fraction else 0.0),
             ctx.usable_bytes - memory.during - memory.extra - table.workspace_bytes)
         capacity = np.maximum(budget, 0.0) / table.kv_bytes_per_token

@@ -43,6 +43,16 @@ def paper_job() -> JobSpec:
     return default_job()
 
 
+def start_virtual_ray(gpus: int) -> None:
+    """A local Ray of ``gpus`` virtual GPUs on this CPU machine (two more CPUs than GPUs), its
+    workers with the project on their path and one OpenMP thread each, as ``execute``'s own
+    local Ray gives them."""
+    import ray
+
+    ray.init(num_gpus=gpus, num_cpus=gpus + 2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}})
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path

@@ -20,7 +20,7 @@ from executor.session import RunSession  # noqa: E402
 from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet  # noqa: E402
 from simulator.specs.job import JobSpec, job_from_mapping  # noqa: E402
 from simulator.specs.parallel import GenerationConfig, ParallelConfig  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT, start_virtual_ray  # noqa: E402
 
 GPUS = 4
 
@@ -28,8 +28,7 @@ GPUS = 4
 @pytest.fixture(scope="module")
 def local_ray() -> None:
     """One Ray instance for these tests: four virtual GPUs on this CPU machine."""
-    ray.init(num_gpus=GPUS, num_cpus=GPUS + 2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}})
+    start_virtual_ray(GPUS)
     yield
     ray.shutdown()
 

@@ -37,10 +37,8 @@ def engine_ray() -> None:
     ``--worker-setup tests.compat.megatron_cpu:install`` import there."""
     import ray
 
-    from tests.conftest import ROOT
+    from tests.conftest import start_virtual_ray
 
-    ray.init(num_gpus=ENGINE_GPUS, num_cpus=ENGINE_GPUS + 2, include_dashboard=False,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}})
+    start_virtual_ray(ENGINE_GPUS)
     yield
     ray.shutdown()
