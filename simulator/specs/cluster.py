@@ -99,7 +99,15 @@ class NodeGroup:
                 self.price_per_gpu_hour)
 
     def profile(self) -> DeviceProfile:
-        """The device profile, with the cluster's network applied."""
+        """The device profile, with the cluster's network applied (one object per device and
+        network: the cost models ask for it tens of thousands of times per search)."""
+        key = (self.device, self.network, self.inter_node_bandwidth_gbps, self.gpus_per_node)
+        found = _GROUP_PROFILES.get(key)
+        if found is None:
+            found = _GROUP_PROFILES[key] = self._load_profile()
+        return found
+
+    def _load_profile(self) -> DeviceProfile:
         try:
             base = load_profile(self.device)
         except SpecError as exc:
@@ -111,6 +119,10 @@ class NodeGroup:
             return base
         return _with_network(base, network)
 
+
+_GROUP_PROFILES: dict[tuple, DeviceProfile] = {}
+"""NodeGroup.profile() per (device, network, shorthand bandwidth, GPUs per node): device
+profiles are read once per process (``load_profile``), so their wired copies are too."""
 
 _OVERRIDDEN: dict[tuple[int, Network], DeviceProfile] = {}
 

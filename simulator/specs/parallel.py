@@ -123,32 +123,37 @@ class ParallelConfig:
         return self._hash
 
     def __post_init__(self) -> None:
+        # The search builds tens of thousands of configs: a message is formatted only when
+        # its check fails (``if ...: raise``, not ``require`` with an f-string).
         for key in ("tp", "pp", "dp", "vpp", "micro_batch_size", "ep", "etp", "ulysses", "cp"):
             value = getattr(self, key)
-            require(value >= 1, f"must be a positive integer, got {value}", key)
+            if not value >= 1:
+                raise SpecError(f"must be a positive integer, got {value}", key=key)
         for key in ("micro_batch_tokens", "infer_micro_batch_tokens"):
             value = getattr(self, key)
-            require(value >= 0, f"must be >= 0 (0: micro-batches by sequence count), got "
-                    f"{value}", key)
+            if not value >= 0:
+                raise SpecError(f"must be >= 0 (0: micro-batches by sequence count), got "
+                                f"{value}", key=key)
         require(self.vpp == 1 or self.pp > 1, "virtual pipeline stages need pp > 1", "vpp")
         require(self.sharding != "fsdp" or self.pp == 1,
                 "FSDP is not combined with pipeline parallelism here; use pp: 1", "pp")
-        require(self.dp % self.ulysses == 0,
-                f"ulysses={self.ulysses} must divide dp={self.dp} (its ranks are data-parallel "
-                "ranks that share sequences)", "ulysses")
+        if self.dp % self.ulysses != 0:
+            raise SpecError(f"ulysses={self.ulysses} must divide dp={self.dp} (its ranks are "
+                            "data-parallel ranks that share sequences)", key="ulysses")
         require(self.ulysses == 1 or self.pp == 1,
                 "Ulysses sequence parallelism runs without pipeline stages; use pp: 1", "ulysses")
-        require(self.dp % (self.ulysses * self.cp) == 0,
-                f"cp={self.cp} must divide dp={self.dp} (its ranks are data-parallel ranks that "
-                "share sequences)", "cp")
+        if self.dp % (self.ulysses * self.cp) != 0:
+            raise SpecError(f"cp={self.cp} must divide dp={self.dp} (its ranks are "
+                            "data-parallel ranks that share sequences)", key="cp")
         require(self.cp == 1 or self.ulysses == 1,
                 "one kind of sequence parallelism per layout: Ulysses (FSDP engines) or "
                 "context parallelism (Megatron)", "cp")
         require(self.cp == 1 or self.fsdp_size == 0,
                 "context parallelism with hybrid sharding (fsdp_size) is not priced: no "
                 "framework here runs them together", "cp")
-        require(self.fsdp_size >= 0, f"must be >= 0 (0: shard over every dp rank), got "
-                f"{self.fsdp_size}", "fsdp_size")
+        if not self.fsdp_size >= 0:
+            raise SpecError(f"must be >= 0 (0: shard over every dp rank), got "
+                            f"{self.fsdp_size}", key="fsdp_size")
         if self.fsdp_size:
             require(self.sharding == "fsdp", "hybrid sharding groups need sharding: fsdp "
                     "(drop fsdp_size for other layouts)", "fsdp_size")
@@ -298,13 +303,16 @@ class GenerationConfig:
     split over its tp ranks (vLLM's default)."""
 
     def __post_init__(self) -> None:
-        require(self.ep >= 1, f"must be a positive integer, got {self.ep}", "ep")
-        require(self.ep == 1 or self.ep % self.tp == 0,
-                f"ep={self.ep} must be a multiple of tp={self.tp} (vLLM spreads the experts "
-                "over tp x data-parallel ranks)", "ep")
+        # Built for every generation layout the search tries: messages formatted on failure.
+        if not self.ep >= 1:
+            raise SpecError(f"must be a positive integer, got {self.ep}", key="ep")
+        if not (self.ep == 1 or self.ep % self.tp == 0):
+            raise SpecError(f"ep={self.ep} must be a multiple of tp={self.tp} (vLLM spreads "
+                            "the experts over tp x data-parallel ranks)", key="ep")
         for key in ("tp", "pp", "max_num_seqs"):
             value = getattr(self, key)
-            require(value >= 1, f"must be a positive integer, got {value}", key)
+            if not value >= 1:
+                raise SpecError(f"must be a positive integer, got {value}", key=key)
         require(0 < self.memory_utilization <= 1, "must be in (0, 1]", "memory_utilization")
 
     @property
