@@ -378,14 +378,17 @@ def test_grpo_learns_to_sort_digits(tmp_path: Path) -> None:
 
 
 def test_safe_rlhf_keeps_the_cost_under_its_threshold(tmp_path: Path) -> None:
-    """150 Safe-RLHF iterations with rule reward and rule cost (writing the digit 4 costs 1),
-    with the constraint (threshold 0.1) and without it (lambda fixed at 0), over iterations
-    110-149. Seeds 0-4 on this project's 2-core machine (2026-11-28, the set-up of
-    benchmarks/learning.py): the constrained cost is 0.13-0.25 of the unconstrained one, and
-    the constrained reward gains 0.109 (seed 0: 0.060 -> 0.169), 0.499, 0.530, 0.508 and
-    0.465 over the first 10 iterations. The test asks for at most half the unconstrained cost
-    and, under the constraint, half the smallest of those gains (0.05): an earlier 0.25 held
-    on another machine and failed a CI run at seed 0 here."""
+    """120 Safe-RLHF iterations with rule reward and rule cost (writing the digit 4 costs 1),
+    with the constraint (threshold 0.1) and without it (lambda fixed at 0), over the last 40
+    iterations (80-119). The test asks for at most half the unconstrained cost and, under the
+    constraint, a reward gain over the first 10 iterations of at least 0.05 (an earlier 0.25
+    failed a CI run at seed 0 on this project's 2-core machine).
+
+    Sized by a rule written before the data (2026-11-28): the fewest of 60, 90, 120 and 150
+    iterations at which every seed 0-4 keeps 1.5 times the test's margins (cost ratio <= 1/3,
+    gain >= 0.075), over the last 40 iterations. Ratio and gain by seed at 120: 0.12/0.106
+    (seed 0: 0.060 -> 0.166), 0.18/0.478, 0.13/0.499, 0.07/0.472, 0.11/0.450; at 90 seed 0
+    gained 0.065; at 150 (the size before): 0.13-0.25 and 0.109-0.530."""
     from executor.algorithms import RLConfig
 
     models = {"actor": "tiny-2l", "critic": "tiny-2l", "ref": "tiny-2l", "reward": "rule",
@@ -398,8 +401,8 @@ def test_safe_rlhf_keeps_the_cost_under_its_threshold(tmp_path: Path) -> None:
     outcomes = {}
     for name, rl in (("constrained", RLConfig(cost_threshold=0.1)),
                      ("unconstrained", RLConfig(lambda_init=0.0))):
-        metrics = run(j, p, tmp_path / name, steps=150, seed=0, rl=rl).metrics
-        late = metrics[110:]
+        metrics = run(j, p, tmp_path / name, steps=120, seed=0, rl=rl).metrics
+        late = metrics[80:]
         outcomes[name] = (sum(m["rule_score"] for m in metrics[:10]) / 10,
                           sum(m["rule_score"] for m in late) / len(late),
                           sum(m["rule_cost"] for m in late) / len(late))
