@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,40 @@ from simulator.specs.job import JobSpec, default_job
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "planner" / "examples"
+
+
+def run_cli(args: list[str], *, cwd: Path = ROOT,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``hybridflow ARGS`` in this process: what ``python -m planner`` calls
+    (``planner.cli.main``) from ``cwd``, with ``env`` added to the environment for the call;
+    its exit status, stdout and stderr. A child process per call costs a second or more of
+    start-up and imports (and cold cost-model caches); the tests that are about the process
+    itself (its imports, a fresh interpreter, signals) start one."""
+    import contextlib
+    import io
+    import os
+
+    from planner.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    status = 0
+    saved = {key: os.environ.get(key) for key in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.chdir(cwd), contextlib.redirect_stdout(stdout), \
+                contextlib.redirect_stderr(stderr):
+            try:
+                main(list(args))
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(["hybridflow", *args], status, stdout.getvalue(),
+                                       stderr.getvalue())
 
 
 @pytest.fixture(autouse=True, scope="session")

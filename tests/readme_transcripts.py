@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -92,10 +93,11 @@ def transcripts(lines: list[str]) -> list[list[Command | None]]:
 
 
 def output_of(argv: list[str]) -> list[str]:
-    """What the command prints, stdout then stderr, line by line (normalized)."""
-    env = {**os.environ, "COLUMNS": "200"}
-    done = subprocess.run([sys.executable, "-m", "planner", *argv[1:]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    """What the command prints, stdout then stderr, line by line (normalized). It runs in
+    this process, through the entry point ``python -m planner`` calls (``run_cli``): a
+    child process each cost a second or more of start-up, and the cost models' caches stay
+    warm from one command to the next."""
+    done = run_cli(argv[1:], cwd=ROOT, env={"COLUMNS": "200"})
     return [normalized(x) for x in (done.stdout + done.stderr).splitlines()]
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import stat
@@ -13,26 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EXAMPLES, ROOT, write
+from tests.conftest import EXAMPLES, ROOT, run_cli, write
 
 
 def run(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """``hybridflow ARGS`` from the repository root, in this process: the entry point
-    ``python -m planner`` calls (``planner.cli.main``), its exit status, stdout and stderr.
-    A child process per call cost about 0.8 s of start-up; the tests that are about the
-    process itself (its imports, a fresh interpreter) start one."""
-    from planner.cli import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    status = 0
-    with contextlib.chdir(ROOT), contextlib.redirect_stdout(stdout), \
-            contextlib.redirect_stderr(stderr):
-        try:
-            main(list(args))
-        except SystemExit as exc:
-            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    result = subprocess.CompletedProcess(["hybridflow", *args], status, stdout.getvalue(),
-                                         stderr.getvalue())
+    """``hybridflow ARGS`` from the repository root, in this process (``run_cli``)."""
+    result = run_cli(list(args))
     if check:
         assert result.returncode == 0, result.stderr
     return result

@@ -177,16 +177,13 @@ def test_every_runnable_example_outside_the_transcripts_runs(document: Path,
                                                              tmp_path: Path) -> None:
     """Issue 32: a command the docs show outside a transcript runs as written whenever it
     can (see ``_runnable_examples``), from a directory of its own (the repository's
-    planner/examples reachable as there), and exits 0; its output is not compared."""
-    import os
-    import subprocess
-    import sys
+    planner/examples reachable as there), and exits 0; its output is not compared. The
+    commands run in this process (``run_cli``), as the transcripts' do."""
+    from tests.conftest import run_cli
 
     (tmp_path / "planner").symlink_to(ROOT / "planner", target_is_directory=True)
     for line, argv in _runnable_examples(document):
-        done = subprocess.run([sys.executable, "-m", "planner", *argv[1:]], cwd=tmp_path,
-                              env={**os.environ, "COLUMNS": "200"}, capture_output=True,
-                              text=True, timeout=600, check=False)
+        done = run_cli(argv[1:], cwd=tmp_path, env={"COLUMNS": "200"})
         assert done.returncode == 0, (f"{document.name}:{line}: {' '.join(argv)}\n"
                                       f"{done.stderr[-2000:]}")
 
