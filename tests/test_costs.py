@@ -252,6 +252,23 @@ def test_training_data_parallel_time_follows_the_network() -> None:
     assert shared.breakdown["compute"] == dgx.breakdown["compute"]
 
 
+def test_a_node_groups_wired_profile_is_one_object_per_device_and_network() -> None:
+    """The search asks a cluster for its device profile tens of thousands of times, and the
+    cost models cache on the profile: one group gives one object however often it is asked
+    (and a resized cluster of the same wiring the same one), while another network or
+    shorthand bandwidth gives its own link."""
+    from simulator.specs.cluster import ClusterSpec
+
+    one_nic = {"nodes": 4, "network": {"nics_per_node": 1, "nic_bandwidth_gbps": 200}}
+    first = ClusterSpec.from_value(one_nic).profile()
+    assert ClusterSpec.from_value(one_nic).profile() is first
+    assert ClusterSpec.from_value({**one_nic, "nodes": 2}).profile() is first
+    assert (first.nics_per_node, first.inter_node.bandwidth_bytes_per_s) == (1, 25e9)
+    per_gpu = ClusterSpec.from_value({"nodes": 4, "inter_node_bandwidth_gbps": 100}).profile()
+    assert (per_gpu.nics_per_node, per_gpu.inter_node.bandwidth_bytes_per_s) == (8, 12.5e9)
+    assert ClusterSpec.from_value({"nodes": 4}).profile() is A100
+
+
 def test_micro_dp_groups_reach_other_pipeline_stages() -> None:
     """Training pp 2 x tp 4 x dp 2 on two nodes (a stage per node), generation tp 4, pp 1: a
     micro-DP group joins the same tensor-parallel rank of both stages, 8 ranks apart, so its

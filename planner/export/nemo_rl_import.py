@@ -8,7 +8,8 @@ note says so."""
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from planner.export.importing import (
 from planner.export.launch import Launch
 from profiles.datafile import SpecError, read_mapping
 from simulator.plan import Plan, RolePlan
+from simulator.specs.cluster import ClusterSpec
 from simulator.specs.job import RULE, JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 from simulator.specs.workload import Workload
@@ -161,6 +163,43 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     def get(key: str) -> Any:
         return resolved(values, key)
 
+    megatron = _refuse_what_is_not_priced(get)
+    kl = _kl(get)
+    actor_model = resolve_model("actor", str(get("policy.model_name")), "policy.model_name",
+                                context)
+    models: dict[str, Any] = {"actor": actor_model, "reward": RULE}
+    if kl != "none":
+        models["ref"] = actor_model
+    gpus = _gpus(get, context)
+    workload = _workload(get, context)
+    mode, staleness, partial = _mode(get, colocated=gpus.colocated)
+    job = JobSpec(
+        name=(context.job.name if context.job else "") or "imported-nemo-rl",
+        algorithm="grpo", models=models, cluster=gpus.cluster, workload=workload,
+        framework=context.job.framework if context.job else "nemo-rl", kl=kl,  # type: ignore[arg-type]
+        mode=mode, max_staleness=staleness if mode == "async" else None,  # type: ignore[arg-type]
+        partial_rollout=partial,
+        reward_function=context.job.reward_function if context.job else None)
+    plans = {"actor": _policy(get, job, gpus.trainer, megatron, trained=True)}
+    if kl != "none":
+        plans["ref"] = _policy(get, job, gpus.trainer, megatron, trained=False)
+    plans["actor"] = replace(plans["actor"], generation=_generation(get, job))
+    layout = LaunchLayout(sets=[(tuple(r for r in ("actor", "ref") if r in plans),
+                                 gpus.trainer)], roles=plans, mode=mode,
+                          max_staleness=staleness, partial_rollout=partial,
+                          rollout_gpus=gpus.rollout)
+    plan = build_plan(job, layout)
+    plan.validate(job)
+    return job, plan
+
+
+Getter = Callable[[str], Any]
+"""A recipe value by its dotted key, references resolved (``resolved``)."""
+
+
+def _refuse_what_is_not_priced(get: Getter) -> bool:
+    """Refuse a recipe whose environment, rollout or policy settings the simulator does not
+    price; whether the policy trains under Megatron (else DTensor)."""
     if get("data.default.env_name") not in (None, "math", "math_default"):
         raise SpecError(f"{get('data.default.env_name')}: only rule environments (math) are "
                         "read; a reward model environment is not", key="data.default.env_name")
@@ -179,16 +218,32 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
     if not megatron and parse_bool(get(f"{cfg}.cpu_offload"), f"{cfg}.cpu_offload"):
         raise SpecError("host offload of the DTensor policy is not priced",
                         key=f"{cfg}.cpu_offload")
+    return megatron
+
+
+def _kl(get: Getter) -> str:
+    """Where the KL term enters: nowhere (penalty 0), the reward or the loss."""
     penalty = parse_float(get("loss_fn.reference_policy_kl_penalty"),
                           "loss_fn.reference_policy_kl_penalty")
-    kl = "none" if penalty == 0 else (
-        "reward" if parse_bool(get("loss_fn.use_kl_in_reward"), "loss_fn.use_kl_in_reward")
-        else "loss")
-    actor_model = resolve_model("actor", str(get("policy.model_name")), "policy.model_name",
-                                context)
-    models: dict[str, Any] = {"actor": actor_model, "reward": RULE}
-    if kl != "none":
-        models["ref"] = actor_model
+    if penalty == 0:
+        return "none"
+    return "reward" if parse_bool(get("loss_fn.use_kl_in_reward"), "loss_fn.use_kl_in_reward") \
+        else "loss"
+
+
+@dataclass(frozen=True, slots=True)
+class _Gpus:
+    """The launch's cluster and how its GPUs divide."""
+
+    cluster: ClusterSpec
+    trainer: int
+    """GPUs that train (every GPU not generating on a set of its own)."""
+    rollout: int
+    """GPUs of the generation set of its own (0: generation colocated with training)."""
+    colocated: bool
+
+
+def _gpus(get: Getter, context: ImportContext) -> _Gpus:
     gpn = parse_int(get("cluster.gpus_per_node"), "cluster.gpus_per_node")
     nodes = parse_int(get("cluster.num_nodes"), "cluster.num_nodes")
     colocated = parse_bool(get("policy.generation.colocated.enabled"),
@@ -200,7 +255,13 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
         gen_gpn = parse_int(get(f"{res}.gpus_per_node") or gpn, f"{res}.gpus_per_node")
         rollout_gpus = gen_gpn if nodes == 1 else gen_nodes * gpn
     cluster = launch_cluster(gpn * nodes, gpn, context, key="cluster.num_nodes")
-    trainer_gpus = gpn * nodes - rollout_gpus  # NeMo-RL trains on every other GPU
+    return _Gpus(cluster=cluster, trainer=gpn * nodes - rollout_gpus, rollout=rollout_gpus,
+                 colocated=colocated)
+
+
+def _workload(get: Getter, context: ImportContext) -> Workload:
+    """Lengths and batches of the recipe (the prompt length from ``--job`` where the recipe's
+    prompt and response maxima overrun its total sequence length)."""
     total_tokens = parse_int(get("policy.max_total_sequence_length"),
                              "policy.max_total_sequence_length")
     new_tokens = parse_int(get("policy.generation.max_new_tokens"),
@@ -234,6 +295,12 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
                            .rule_reward_seconds_per_sample,
                            controller_seconds_per_sample=context.job.workload
                            .controller_seconds_per_sample)
+    return workload
+
+
+def _mode(get: Getter, *, colocated: bool) -> tuple[str, int, bool]:
+    """(mode, staleness, partial rollout) of the recipe's GRPO: synchronous and colocated,
+    or async GRPO on generation GPUs of its own."""
     is_async = parse_bool(get("grpo.async_grpo.enabled"), "grpo.async_grpo.enabled")
     if is_async and colocated:
         raise SpecError("async GRPO needs generation on GPUs of its own (NeMo-RL asserts it)",
@@ -247,34 +314,22 @@ def _import(launch: Launch, context: ImportContext) -> tuple[JobSpec, Plan]:
                                       "grpo.async_grpo.in_flight_weight_updates")
     mode = "sync" if not is_async else (
         "one_step_off" if staleness == 1 and not partial else "async")
-    job = JobSpec(
-        name=(context.job.name if context.job else "") or "imported-nemo-rl",
-        algorithm="grpo", models=models, cluster=cluster, workload=workload,
-        framework=context.job.framework if context.job else "nemo-rl", kl=kl,  # type: ignore[arg-type]
-        mode=mode, max_staleness=staleness if mode == "async" else None,  # type: ignore[arg-type]
-        partial_rollout=partial,
-        reward_function=context.job.reward_function if context.job else None)
-    plans = {"actor": _policy(get, job, trainer_gpus, megatron, trained=True)}
-    if kl != "none":
-        plans["ref"] = _policy(get, job, trainer_gpus, megatron, trained=False)
+    return mode, staleness, partial
+
+
+def _generation(get: Getter, job: JobSpec) -> GenerationConfig:
+    """The vLLM rollout's layout (max_num_seqs: the framework's default)."""
     seqs, _ = job.rollout_defaults()
     vllm = "policy.generation.vllm_cfg"
-    plans["actor"] = replace(plans["actor"], generation=GenerationConfig(
+    return GenerationConfig(
         tp=parse_int(get(f"{vllm}.tensor_parallel_size"), f"{vllm}.tensor_parallel_size"),
         pp=parse_int(get(f"{vllm}.pipeline_parallel_size"), f"{vllm}.pipeline_parallel_size"),
         ep=parse_int(get(f"{vllm}.expert_parallel_size"), f"{vllm}.expert_parallel_size"),
         max_num_seqs=seqs, memory_utilization=parse_float(
-            get(f"{vllm}.gpu_memory_utilization"), f"{vllm}.gpu_memory_utilization")))
-    layout = LaunchLayout(sets=[(tuple(r for r in ("actor", "ref") if r in plans),
-                                 trainer_gpus)], roles=plans, mode=mode,
-                          max_staleness=staleness, partial_rollout=partial,
-                          rollout_gpus=rollout_gpus)
-    plan = build_plan(job, layout)
-    plan.validate(job)
-    return job, plan
+            get(f"{vllm}.gpu_memory_utilization"), f"{vllm}.gpu_memory_utilization"))
 
 
-def _policy(get: Any, job: JobSpec, gpus: int, megatron: bool, *, trained: bool) -> RolePlan:
+def _policy(get: Getter, job: JobSpec, gpus: int, megatron: bool, *, trained: bool) -> RolePlan:
     """The policy's layout (the reference runs in it, NeMo-RL swapping its weights in)."""
     role = "actor" if trained else "ref"
     grad, param = job.overlap_for(role)
