@@ -265,14 +265,7 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
     _check_placement(plan, job)
     engine = _engine(plan, job)
     if engine == "fsdp":
-        for role, rp in plan.roles.items():
-            if rp.parallel.cp > 1 and role != "reward":
-                translation.differ("verl's FSDP engine splits sequences with Ulysses only; "
-                                   f"{role} has context parallelism cp={rp.parallel.cp}",
-                                   key=f"roles.{role}.parallel.cp",
-                                   fix="set cp: 1, or train with Megatron",
-                                   written="no sequence split")
-    work = job.workload
+        _note_context_parallelism(plan, translation)
     mode = plan.mode
     gpn = job.cluster.pool_of(plan.set_of("actor").node_group).group.gpus_per_node
     out: list[str] = []
@@ -282,18 +275,48 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
     out += [f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={per_node}",
             # The price spreads a batch's tokens evenly over the data-parallel ranks.
             "trainer.balance_batch=true"]
+    out += _actor(plan, job, engine, translation)
+    out += _kl(plan, job)
+    if "ref" in plan.roles:
+        out += _reference(plan, job, engine)
+    gen = plan.roles["actor"].generation
+    assert gen is not None
+    out += _rollout(plan, job, gen)
+    if "critic" in plan.roles:
+        out += _critic(plan, job, engine, translation)
+    out += _reward(plan, job, gpn)
+    if plan.rollout is not None:
+        r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)
+        out += [f"rollout.nnodes={r_nodes}", f"rollout.n_gpus_per_node={r_per_node}"]
+    if mode == "async":
+        out += _async_training(plan, job)
+    return ENTRY[mode], CONFIG[(mode, engine)], out
 
-    # Batch: verl counts train_batch_size and ppo_mini_batch_size in prompts (times rollout.n
-    # responses each); the plan splits prompts x samples into mini_batches_per_epoch.
+
+def _note_context_parallelism(plan: Plan, translation: Translation) -> None:
+    """verl's FSDP engine has no context parallelism: a plan's cp is translated away."""
+    for role, rp in plan.roles.items():
+        if rp.parallel.cp > 1 and role != "reward":
+            translation.differ("verl's FSDP engine splits sequences with Ulysses only; "
+                               f"{role} has context parallelism cp={rp.parallel.cp}",
+                               key=f"roles.{role}.parallel.cp",
+                               fix="set cp: 1, or train with Megatron",
+                               written="no sequence split")
+
+
+def _actor(plan: Plan, job: JobSpec, engine: str, translation: Translation) -> list[str]:
+    """The batch (verl counts train_batch_size and ppo_mini_batch_size in prompts, times
+    rollout.n responses each; the plan splits prompts x samples into mini_batches_per_epoch)
+    and the actor's layout and training settings."""
+    work = job.workload
     prompts, mini = work.prompts_per_iteration, work.mini_batches_per_epoch
     if prompts % mini:
         raise SpecError(f"{prompts} prompts do not split into {mini} mini-batches of whole "
                         "prompts (verl's ppo_mini_batch_size counts prompts)",
                         key="job.workload.mini_batches_per_epoch")
     actor = plan.roles["actor"]
-    gen = actor.generation
-    assert gen is not None
-    out += [
+    assert actor.generation is not None
+    out = [
         f"algorithm.adv_estimator={ESTIMATOR[job.algorithm]}",
         f"data.train_batch_size={prompts}",
         f"data.max_prompt_length={work.prompt_length}",
@@ -308,54 +331,60 @@ def verl_overrides(plan: Plan, job: JobSpec, translation: Translation | None = N
                         model=job.model("actor"))
     out += _training_settings("actor", actor, engine, "actor_rollout_ref.actor",
                               "actor_rollout_ref.model", job, translation)
-    out += _kl(plan, job)
-    if "ref" in plan.roles:
-        ref = plan.roles["ref"]
-        out.append("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
-                   f"{ref.parallel.micro_batch_size}")
-        budget = ref.parallel.infer_micro_batch_tokens
-        out.append(f"actor_rollout_ref.ref.log_prob_use_dynamic_bsz={_bool(bool(budget))}")
-        if budget:
-            out.append(f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}")
-        if outer_stage_layers(job.model("ref").layers, ref.parallel.pp) != outer_stage_layers(
-                job.model("actor").layers, actor.parallel.pp):
-            raise SpecError("verl's reference takes the actor's first/last pipeline stage "
-                            f"sizes: ref {ref.parallel.short()} and actor "
-                            f"{actor.parallel.short()} cut the layers differently",
-                            key="roles.ref.parallel.pp")
-        out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
-                            model=job.model("ref"))
-        out.append(f"actor_rollout_ref.ref.{'fsdp_config' if engine == 'fsdp' else 'megatron'}"
-                   f".param_offload={_bool(ref.parallel.offload_params)}")
-        if engine == "fsdp":
-            out.append("actor_rollout_ref.ref.ulysses_sequence_parallel_size="
-                       f"{ref.parallel.ulysses}")
-    out += _rollout(plan, job, gen)
-    if "critic" in plan.roles:
-        critic = plan.roles["critic"]
-        out += [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
-                f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
-        if engine == "fsdp":
-            out.append(f"critic.forward_micro_batch_size_per_gpu={work.infer_micro_batch_size}")
-        out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp",
-                            model=job.model("critic"))
-        out += _training_settings("critic", critic, engine, "critic", "critic.model", job,
-                                  translation)
-    out += _reward(plan, job, gpn)
-    if plan.rollout is not None:
-        r_nodes, r_per_node = nodes_of(plan.rollout.gpus, gpn)
-        out += [f"rollout.nnodes={r_nodes}", f"rollout.n_gpus_per_node={r_per_node}"]
-    if mode == "async":
-        # One trainer step consumes one iteration's batch (all its mini-batches) and then
-        # syncs weights; the rollouter may run max_staleness batches ahead of the sync:
-        # verl's bound is (1 + staleness_threshold) x the samples of one sync.
-        out += [
-            f"async_training.require_batches={mini}",
-            "async_training.trigger_parameter_sync_step=1",
-            f"async_training.staleness_threshold={plan.max_staleness - 1}",
-            f"async_training.partial_rollout={_bool(plan.partial_rollout)}",
-        ]
-    return ENTRY[mode], CONFIG[(mode, engine)], out
+    return out
+
+
+def _reference(plan: Plan, job: JobSpec, engine: str) -> list[str]:
+    """The reference's micro-batches, layout and offload (it must cut the layers into
+    pipeline stages as the actor does: verl gives it the actor's stage sizes)."""
+    ref, actor = plan.roles["ref"], plan.roles["actor"]
+    out = ["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu="
+           f"{ref.parallel.micro_batch_size}"]
+    budget = ref.parallel.infer_micro_batch_tokens
+    out.append(f"actor_rollout_ref.ref.log_prob_use_dynamic_bsz={_bool(bool(budget))}")
+    if budget:
+        out.append(f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}")
+    if outer_stage_layers(job.model("ref").layers, ref.parallel.pp) != outer_stage_layers(
+            job.model("actor").layers, actor.parallel.pp):
+        raise SpecError("verl's reference takes the actor's first/last pipeline stage "
+                        f"sizes: ref {ref.parallel.short()} and actor "
+                        f"{actor.parallel.short()} cut the layers differently",
+                        key="roles.ref.parallel.pp")
+    out += _role_layout("ref", ref, engine, "actor_rollout_ref.ref", fsdp_key="fsdp_config",
+                        model=job.model("ref"))
+    out.append(f"actor_rollout_ref.ref.{'fsdp_config' if engine == 'fsdp' else 'megatron'}"
+               f".param_offload={_bool(ref.parallel.offload_params)}")
+    if engine == "fsdp":
+        out.append("actor_rollout_ref.ref.ulysses_sequence_parallel_size="
+                   f"{ref.parallel.ulysses}")
+    return out
+
+
+def _critic(plan: Plan, job: JobSpec, engine: str, translation: Translation) -> list[str]:
+    """The critic's engine, model, micro-batches, layout and training settings."""
+    critic = plan.roles["critic"]
+    out = [f"critic.strategy={engine}", f"critic.model.path={model_path(job, 'critic')}",
+           f"critic.ppo_micro_batch_size_per_gpu={critic.parallel.micro_batch_size}"]
+    if engine == "fsdp":
+        out.append(f"critic.forward_micro_batch_size_per_gpu="
+                   f"{job.workload.infer_micro_batch_size}")
+    out += _role_layout("critic", critic, engine, "critic", fsdp_key="fsdp",
+                        model=job.model("critic"))
+    out += _training_settings("critic", critic, engine, "critic", "critic.model", job,
+                              translation)
+    return out
+
+
+def _async_training(plan: Plan, job: JobSpec) -> list[str]:
+    """verl's fully async trainer: one trainer step consumes one iteration's batch (all its
+    mini-batches) and then syncs weights; the rollouter may run max_staleness batches ahead
+    of the sync (verl's bound is (1 + staleness_threshold) x the samples of one sync)."""
+    return [
+        f"async_training.require_batches={job.workload.mini_batches_per_epoch}",
+        "async_training.trigger_parameter_sync_step=1",
+        f"async_training.staleness_threshold={plan.max_staleness - 1}",
+        f"async_training.partial_rollout={_bool(plan.partial_rollout)}",
+    ]
 
 
 def _kl(plan: Plan, job: JobSpec) -> list[str]:
