@@ -230,74 +230,17 @@ class ModelSpec:
         return self._hash
 
     def __post_init__(self) -> None:
-        for key in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "max_seq_len"):
-            require(getattr(self, key) > 0, f"must be a positive integer, got {getattr(self, key)}",
-                    key)
-        require(self.learned_positions >= 0, "must be >= 0", "learned_positions")
-        require(self.heads % self.kv_heads == 0,
-                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})",
-                "kv_heads")
-        mla = self.mla
-        if mla is not None:
-            require(self.kv_heads == self.heads,
-                    f"multi-head latent attention has a key and value per head: kv_heads "
-                    f"({self.kv_heads}) must equal heads ({self.heads})", "kv_heads")
-            require(self.head_dim in (None, mla.qk_head_dim),
-                    f"head_dim ({self.head_dim}) must be mla.qk_nope_head_dim + "
-                    f"mla.qk_rope_head_dim ({mla.qk_head_dim}) or left out", "head_dim")
-            require(not (self.qkv_bias or self.linear_bias),
-                    "biases are not modelled with multi-head latent attention", "qkv_bias")
-            head_dim = mla.qk_head_dim
-        elif self.head_dim is None:
-            require(self.hidden % self.heads == 0,
-                    f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
-                    "unless head_dim is given", "heads")
-            head_dim = self.hidden // self.heads
-        else:
-            require(self.head_dim > 0, "must be a positive integer", "head_dim")
-            head_dim = self.head_dim
+        head_dim = self._checked_head_dim()
+        attention = _attention_sizes(self, head_dim)
+        q_size, kv_size, v_size = attention.q_size, attention.kv_size, attention.v_size
+        attn_linear, attn = attention.linear_params, attention.params
+        down, duplicated = attention.duplicated_linear_params, attention.duplicated_params
+        mlp_sizes = _mlp_sizes(self)
+        mlp_mats, dense_mlp = mlp_sizes.matrices, mlp_sizes.dense_params
+        moe_layers, expert = mlp_sizes.moe_layers, mlp_sizes.expert_params
+        moe_mlp, active_moe_mlp = mlp_sizes.moe_params, mlp_sizes.active_moe_params
         h = self.hidden
-        q_size = self.heads * head_dim
-        if mla is None:
-            kv_size = self.kv_heads * head_dim
-            v_size = q_size
-            attn_linear = 2 * h * q_size + 2 * h * kv_size
-            attn = attn_linear
-            down = duplicated = 0
-        else:
-            kv_size = q_size
-            v_size = self.heads * mla.v_head_dim
-            # The down projections (hidden -> latents) are duplicated on every tensor-parallel
-            # rank (Megatron's MLA builds them parallel_mode="duplicated", vLLM as
-            # ReplicatedLinear); the up projections and the output projection are split.
-            down = h * (mla.q_lora_rank + mla.latent_width)
-            query = mla.q_lora_rank * q_size if mla.q_lora_rank else h * q_size
-            up_kv = mla.kv_lora_rank * self.heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-            attn_linear = down + query + up_kv + v_size * h
-            # The latents' norms (query latent, key/value latent) are duplicated too.
-            duplicated = down + mla.q_lora_rank + mla.kv_lora_rank
-            attn = attn_linear + mla.q_lora_rank + mla.kv_lora_rank
-        if self.qkv_bias or self.linear_bias:
-            attn += q_size + 2 * kv_size
-        if self.linear_bias:
-            attn += h
-        mlp_mats = 3 if self.mlp == "swiglu" else 2
-        dense_mlp = mlp_mats * h * self.ffn_hidden
-        if self.linear_bias:
-            dense_mlp += (mlp_mats - 1) * self.ffn_hidden + h
-        moe = self.moe
-        moe_layers = expert = router = shared = 0
-        if moe is not None:
-            require(moe.first_dense_layers < self.layers,
-                    f"first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer of "
-                    f"{self.layers}", "moe.first_dense_layers")
-            moe_layers = self.layers - moe.first_dense_layers
-            expert = mlp_mats * h * moe.expert_ffn_hidden
-            router = h * moe.experts
-            shared = moe.shared_experts * mlp_mats * h * moe.shared_ffn
         dense_layers = self.layers - moe_layers
-        moe_mlp = router + moe.experts * expert + shared if moe is not None else 0
-        active_moe_mlp = router + moe.top_k * expert + shared if moe is not None else 0
         # Layers differ (dense first layers, MoE after): per-layer sizes are means over layers.
         mlp = (dense_layers * dense_mlp + moe_layers * moe_mlp) // self.layers
         norm_vec = 2 if self.norm == "layernorm" else 1
@@ -337,6 +280,34 @@ class ModelSpec:
         set_(self, "moe_mlp_params_per_layer", moe_mlp)
         set_(self, "active_moe_mlp_params_per_layer", active_moe_mlp)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
+
+    def _checked_head_dim(self) -> int:
+        """Check the dimensions; the per-head width of queries and keys."""
+        for key in ("layers", "hidden", "ffn_hidden", "heads", "kv_heads", "vocab", "max_seq_len"):
+            require(getattr(self, key) > 0, f"must be a positive integer, got {getattr(self, key)}",
+                    key)
+        require(self.learned_positions >= 0, "must be >= 0", "learned_positions")
+        require(self.heads % self.kv_heads == 0,
+                f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})",
+                "kv_heads")
+        mla = self.mla
+        if mla is not None:
+            require(self.kv_heads == self.heads,
+                    f"multi-head latent attention has a key and value per head: kv_heads "
+                    f"({self.kv_heads}) must equal heads ({self.heads})", "kv_heads")
+            require(self.head_dim in (None, mla.qk_head_dim),
+                    f"head_dim ({self.head_dim}) must be mla.qk_nope_head_dim + "
+                    f"mla.qk_rope_head_dim ({mla.qk_head_dim}) or left out", "head_dim")
+            require(not (self.qkv_bias or self.linear_bias),
+                    "biases are not modelled with multi-head latent attention", "qkv_bias")
+            return mla.qk_head_dim
+        if self.head_dim is None:
+            require(self.hidden % self.heads == 0,
+                    f"hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
+                    "unless head_dim is given", "heads")
+            return self.hidden // self.heads
+        require(self.head_dim > 0, "must be a positive integer", "head_dim")
+        return self.head_dim
 
     # ----- derived quantities (one formula each) -----
 
@@ -626,3 +597,90 @@ def from_hf_config(path: str | Path) -> ModelSpec:
             "experts", "top_k", "expert_ffn_hidden", "shared_experts",
             "shared_expert_ffn_hidden", "first_dense_layers")}
     return from_mapping(ModelSpec, fields, source=source)
+
+
+@dataclass(frozen=True, slots=True)
+class _AttentionSizes:
+    """One layer's attention, in parameters."""
+
+    q_size: int
+    kv_size: int
+    v_size: int
+    linear_params: int
+    """Weights of its linear layers."""
+    params: int
+    """Everything: linear weights, latent norms (MLA) and biases."""
+    duplicated_linear_params: int
+    """Linear weights every tensor-parallel rank holds whole (MLA's down projections)."""
+    duplicated_params: int
+    """Those and the latents' norms."""
+
+
+def _attention_sizes(model: ModelSpec, head_dim: int) -> _AttentionSizes:
+    h, mla = model.hidden, model.mla
+    q_size = model.heads * head_dim
+    if mla is None:
+        kv_size = model.kv_heads * head_dim
+        v_size = q_size
+        attn_linear = 2 * h * q_size + 2 * h * kv_size
+        attn = attn_linear
+        down = duplicated = 0
+    else:
+        kv_size = q_size
+        v_size = model.heads * mla.v_head_dim
+        # The down projections (hidden -> latents) are duplicated on every tensor-parallel
+        # rank (Megatron's MLA builds them parallel_mode="duplicated", vLLM as
+        # ReplicatedLinear); the up projections and the output projection are split.
+        down = h * (mla.q_lora_rank + mla.latent_width)
+        query = mla.q_lora_rank * q_size if mla.q_lora_rank else h * q_size
+        up_kv = mla.kv_lora_rank * model.heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        attn_linear = down + query + up_kv + v_size * h
+        # The latents' norms (query latent, key/value latent) are duplicated too.
+        duplicated = down + mla.q_lora_rank + mla.kv_lora_rank
+        attn = attn_linear + mla.q_lora_rank + mla.kv_lora_rank
+    if model.qkv_bias or model.linear_bias:
+        attn += q_size + 2 * kv_size
+    if model.linear_bias:
+        attn += h
+    return _AttentionSizes(q_size=q_size, kv_size=kv_size, v_size=v_size,
+                           linear_params=attn_linear, params=attn,
+                           duplicated_linear_params=down, duplicated_params=duplicated)
+
+
+@dataclass(frozen=True, slots=True)
+class _MlpSizes:
+    """The MLPs, in parameters: a dense layer's, and an MoE layer's whole and active."""
+
+    matrices: int
+    """Weight matrices per MLP (3 for SwiGLU, else 2)."""
+    dense_params: int
+    moe_layers: int
+    expert_params: int
+    """One routed expert's weights."""
+    moe_params: int
+    """An MoE layer's: router, every expert, the shared experts."""
+    active_moe_params: int
+    """What one token runs through: router, top_k experts, the shared experts."""
+
+
+def _mlp_sizes(model: ModelSpec) -> _MlpSizes:
+    h = model.hidden
+    mlp_mats = 3 if model.mlp == "swiglu" else 2
+    dense_mlp = mlp_mats * h * model.ffn_hidden
+    if model.linear_bias:
+        dense_mlp += (mlp_mats - 1) * model.ffn_hidden + h
+    moe = model.moe
+    moe_layers = expert = router = shared = 0
+    if moe is not None:
+        require(moe.first_dense_layers < model.layers,
+                f"first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer of "
+                f"{model.layers}", "moe.first_dense_layers")
+        moe_layers = model.layers - moe.first_dense_layers
+        expert = mlp_mats * h * moe.expert_ffn_hidden
+        router = h * moe.experts
+        shared = moe.shared_experts * mlp_mats * h * moe.shared_ffn
+    moe_mlp = router + moe.experts * expert + shared if moe is not None else 0
+    active_moe_mlp = router + moe.top_k * expert + shared if moe is not None else 0
+    return _MlpSizes(matrices=mlp_mats, dense_params=dense_mlp, moe_layers=moe_layers,
+                     expert_params=expert, moe_params=moe_mlp,
+                     active_moe_params=active_moe_mlp)
