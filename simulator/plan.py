@@ -22,6 +22,7 @@ from profiles.datafile import (
 )
 from simulator.costs.primitives import first_straddling_group
 from simulator.specs.asynchrony import MODE_STALENESS, MODES
+from simulator.specs.cluster import Pool
 from simulator.specs.job import JobSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -281,6 +282,16 @@ class Plan:
         if self.algorithm != job.algorithm:
             raise SpecError(f"plan is for {self.algorithm!r} but the job runs "
                             f"{job.algorithm!r}", key="algorithm")
+        self._check_sets_cover_the_roles(job)
+        pool_of = self._check_sets_on_the_cluster(job)
+        for role in job.gpu_roles:
+            self._check_role(job, role, pool_of)
+        for role in self.roles:
+            if role not in job.gpu_roles:
+                raise SpecError(f"{role!r} is not a GPU role of this job", key=f"roles.{role}")
+
+    def _check_sets_cover_the_roles(self, job: JobSpec) -> None:
+        """Every GPU role in exactly one set, and a placement the framework can run."""
         gpu_roles = job.gpu_roles
         seen: list[str] = []
         for i, s in enumerate(self.sets):
@@ -299,13 +310,18 @@ class Plan:
             raise SpecError(f"framework {job.framework!r} keeps the reference model's weights "
                             "in host memory and swaps them into the actor's model: 'ref' must "
                             "be in the actor's set", key="sets")
+
+    def _check_sets_on_the_cluster(self, job: JobSpec) -> list[Pool]:
+        """Each set (and the rollout set) on an existing node group, inside it, apart from the
+        others, and inside one node or on whole nodes; the pool of each, in
+        ``located_sets`` order."""
         cluster = job.cluster
         located = self.located_sets()
 
         def where_key(i: int) -> str:
             return f"sets[{i}]" if i < len(self.sets) else "rollout"
 
-        pool_of: list = []
+        pool_of: list[Pool] = []
         for i, s in enumerate(located):
             if s.node_group >= len(cluster.node_groups):
                 raise SpecError(f"node group {s.node_group} does not exist (the cluster has "
@@ -340,44 +356,46 @@ class Plan:
                                     f"of more than one node of {gpus_per_node} GPUs; a set lies "
                                     "inside one node or is whole nodes starting on a node "
                                     "boundary", key=f"{where_key(i)}.first_gpu")
-        for role in gpu_roles:
-            key = f"roles.{role}"
-            if role not in self.roles:
-                raise SpecError("missing parallel config", key=key)
-            rp = self.roles[role]
-            s = self.set_of(role)
-            gpus_per_node = pool_of[self.set_index(role)].group.gpus_per_node
-            model = job.model(role)
-            par = rp.parallel
-            par.check_model(model, gpus_per_node=gpus_per_node, key=f"{key}.parallel")
-            if par.world_size != s.gpus:
-                raise SpecError(f"pp*tp*dp = {par.world_size} but its set has {s.gpus} GPUs",
-                                key=f"{key}.parallel")
-            straddle = first_straddling_group(s.first_gpu, s.gpus, par.tp, gpus_per_node)
-            if straddle is not None:
-                raise SpecError(f"the tp={par.tp} group from GPU {straddle} would straddle two "
-                                f"nodes of {gpus_per_node} GPUs (its set is GPUs {s.first_gpu}-"
-                                f"{s.first_gpu + s.gpus - 1}); tensor parallelism stays inside "
-                                "a node", key=f"{key}.parallel.tp")
-            generates = "generate" in job.dataflow.operations_of(role)
-            if generates:
-                if rp.generation is None:
-                    raise SpecError("the actor needs a generation config", key=f"{key}.generation")
-                if self.rollout is None:
-                    rp.generation.check(model, par, gpus_per_node=gpus_per_node,
-                                        key=f"{key}.generation",
-                                        nested=job.framework_profile.space.generation.nested)
-                else:
-                    self._check_rollout(job, model, rp.generation, key=f"{key}.generation")
-            elif rp.generation is not None:
-                raise SpecError(f"{role} does not generate", key=f"{key}.generation")
-            # Frozen models have no optimizer; FSDP-style parameter sharding is allowed.
-            if "train" not in job.dataflow.operations_of(role) and par.sharding == "optimizer":
-                raise SpecError(f"{role} is not trained: it has no optimizer to shard",
-                                key=f"{key}.parallel.sharding")
-        for role in self.roles:
-            if role not in gpu_roles:
-                raise SpecError(f"{role!r} is not a GPU role of this job", key=f"roles.{role}")
+        return pool_of
+
+    def _check_role(self, job: JobSpec, role: str, pool_of: list[Pool]) -> None:
+        """``role``'s layout fits its model and its set (``pool_of``: each set's pool); the
+        actor's generation fits its training layout (or the rollout set); a frozen model
+        shards no optimizer."""
+        key = f"roles.{role}"
+        if role not in self.roles:
+            raise SpecError("missing parallel config", key=key)
+        rp = self.roles[role]
+        s = self.set_of(role)
+        gpus_per_node = pool_of[self.set_index(role)].group.gpus_per_node
+        model = job.model(role)
+        par = rp.parallel
+        par.check_model(model, gpus_per_node=gpus_per_node, key=f"{key}.parallel")
+        if par.world_size != s.gpus:
+            raise SpecError(f"pp*tp*dp = {par.world_size} but its set has {s.gpus} GPUs",
+                            key=f"{key}.parallel")
+        straddle = first_straddling_group(s.first_gpu, s.gpus, par.tp, gpus_per_node)
+        if straddle is not None:
+            raise SpecError(f"the tp={par.tp} group from GPU {straddle} would straddle two "
+                            f"nodes of {gpus_per_node} GPUs (its set is GPUs {s.first_gpu}-"
+                            f"{s.first_gpu + s.gpus - 1}); tensor parallelism stays inside "
+                            "a node", key=f"{key}.parallel.tp")
+        generates = "generate" in job.dataflow.operations_of(role)
+        if generates:
+            if rp.generation is None:
+                raise SpecError("the actor needs a generation config", key=f"{key}.generation")
+            if self.rollout is None:
+                rp.generation.check(model, par, gpus_per_node=gpus_per_node,
+                                    key=f"{key}.generation",
+                                    nested=job.framework_profile.space.generation.nested)
+            else:
+                self._check_rollout(job, model, rp.generation, key=f"{key}.generation")
+        elif rp.generation is not None:
+            raise SpecError(f"{role} does not generate", key=f"{key}.generation")
+        # Frozen models have no optimizer; FSDP-style parameter sharding is allowed.
+        if "train" not in job.dataflow.operations_of(role) and par.sharding == "optimizer":
+            raise SpecError(f"{role} is not trained: it has no optimizer to shard",
+                            key=f"{key}.parallel.sharding")
 
     def _check_rollout(self, job: JobSpec, model: Any, gen: GenerationConfig, *,
                        key: str) -> None:
