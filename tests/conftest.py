@@ -23,26 +23,18 @@ def run_cli(args: list[str], *, cwd: Path = ROOT,
     import contextlib
     import io
     import os
+    from unittest import mock
 
     from planner.cli import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     status = 0
-    saved = {key: os.environ.get(key) for key in env or {}}
-    os.environ.update(env or {})
-    try:
-        with contextlib.chdir(cwd), contextlib.redirect_stdout(stdout), \
-                contextlib.redirect_stderr(stderr):
-            try:
-                main(list(args))
-            except SystemExit as exc:
-                status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with mock.patch.dict(os.environ, env or {}), contextlib.chdir(cwd), \
+            contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(list(args))
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     return subprocess.CompletedProcess(["hybridflow", *args], status, stdout.getvalue(),
                                        stderr.getvalue())
 

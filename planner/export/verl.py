@@ -315,7 +315,6 @@ def _actor(plan: Plan, job: JobSpec, engine: str, translation: Translation) -> l
                         "prompts (verl's ppo_mini_batch_size counts prompts)",
                         key="job.workload.mini_batches_per_epoch")
     actor = plan.roles["actor"]
-    assert actor.generation is not None
     out = [
         f"algorithm.adv_estimator={ESTIMATOR[job.algorithm]}",
         f"data.train_batch_size={prompts}",

@@ -231,54 +231,48 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         head_dim = self._checked_head_dim()
-        attention = _attention_sizes(self, head_dim)
-        q_size, kv_size, v_size = attention.q_size, attention.kv_size, attention.v_size
-        attn_linear, attn = attention.linear_params, attention.params
-        down, duplicated = attention.duplicated_linear_params, attention.duplicated_params
-        mlp_sizes = _mlp_sizes(self)
-        mlp_mats, dense_mlp = mlp_sizes.matrices, mlp_sizes.dense_params
-        moe_layers, expert = mlp_sizes.moe_layers, mlp_sizes.expert_params
-        moe_mlp, active_moe_mlp = mlp_sizes.moe_params, mlp_sizes.active_moe_params
+        att = _attention_sizes(self, head_dim)
+        mlps = _mlp_sizes(self)
         h = self.hidden
+        moe_layers = mlps.moe_layers
         dense_layers = self.layers - moe_layers
         # Layers differ (dense first layers, MoE after): per-layer sizes are means over layers.
-        mlp = (dense_layers * dense_mlp + moe_layers * moe_mlp) // self.layers
+        mlp = (dense_layers * mlps.dense_params + moe_layers * mlps.moe_params) // self.layers
         norm_vec = 2 if self.norm == "layernorm" else 1
         norms = 2 * norm_vec * h
-        per_layer = attn + mlp + norms
         embedding = self.vocab * h + self.learned_positions * h
         lm_head = 0 if self.tied_embeddings else self.vocab * h
-        layer_total = self.layers * (attn + norms) + dense_layers * dense_mlp + moe_layers * moe_mlp
+        layer_total = self.layers * (att.params + norms) + dense_layers * mlps.dense_params \
+            + moe_layers * mlps.moe_params
         total = layer_total + embedding + lm_head + norm_vec * h
-        active = total - moe_layers * (moe_mlp - active_moe_mlp)
-        dense_mlp_linear = mlp_mats * h * self.ffn_hidden
-        active_linear = attn_linear + (dense_layers * dense_mlp_linear
-                                       + moe_layers * active_moe_mlp) // self.layers
-        replicated = norms + (2 * h if self.linear_bias else 0) + duplicated
         set_ = object.__setattr__
         set_(self, "head_dim_value", head_dim)
-        set_(self, "q_size", q_size)
-        set_(self, "kv_size", kv_size)
-        set_(self, "v_size", v_size)
-        set_(self, "attention_params_per_layer", attn)
+        set_(self, "q_size", att.q_size)
+        set_(self, "kv_size", att.kv_size)
+        set_(self, "v_size", att.v_size)
+        set_(self, "attention_params_per_layer", att.params)
         set_(self, "mlp_params_per_layer", mlp)
         set_(self, "norm_params_per_layer", norms)
-        set_(self, "params_per_layer", per_layer)
+        set_(self, "params_per_layer", att.params + mlp + norms)
         set_(self, "embedding_params", embedding)
         set_(self, "lm_head_params", lm_head)
-        set_(self, "replicated_params_per_layer", replicated)
+        set_(self, "replicated_params_per_layer",
+             norms + (2 * h if self.linear_bias else 0) + att.duplicated_params)
         set_(self, "final_norm_params", norm_vec * h)
         set_(self, "param_count", total)
-        set_(self, "active_param_count", active)
+        set_(self, "active_param_count",
+             total - moe_layers * (mlps.moe_params - mlps.active_moe_params))
         set_(self, "moe_layers", moe_layers)
-        set_(self, "expert_params_per_moe_layer", expert)
-        set_(self, "active_linear_params_per_layer", active_linear)
-        set_(self, "attention_linear_params_per_layer", attn_linear)
-        set_(self, "duplicated_linear_params_per_layer", down)
-        set_(self, "dense_mlp_params_per_layer", dense_mlp)
-        set_(self, "dense_mlp_linear_params_per_layer", dense_mlp_linear)
-        set_(self, "moe_mlp_params_per_layer", moe_mlp)
-        set_(self, "active_moe_mlp_params_per_layer", active_moe_mlp)
+        set_(self, "expert_params_per_moe_layer", mlps.expert_params)
+        set_(self, "active_linear_params_per_layer", att.linear_params + (
+            dense_layers * mlps.dense_linear_params + moe_layers * mlps.active_moe_params)
+            // self.layers)
+        set_(self, "attention_linear_params_per_layer", att.linear_params)
+        set_(self, "duplicated_linear_params_per_layer", att.duplicated_linear_params)
+        set_(self, "dense_mlp_params_per_layer", mlps.dense_params)
+        set_(self, "dense_mlp_linear_params_per_layer", mlps.dense_linear_params)
+        set_(self, "moe_mlp_params_per_layer", mlps.moe_params)
+        set_(self, "active_moe_mlp_params_per_layer", mlps.active_moe_params)
         set_(self, "_hash", hash(tuple(getattr(self, f) for f in _IDENTITY_FIELDS)))
 
     def _checked_head_dim(self) -> int:
@@ -651,9 +645,9 @@ def _attention_sizes(model: ModelSpec, head_dim: int) -> _AttentionSizes:
 class _MlpSizes:
     """The MLPs, in parameters: a dense layer's, and an MoE layer's whole and active."""
 
-    matrices: int
-    """Weight matrices per MLP (3 for SwiGLU, else 2)."""
     dense_params: int
+    dense_linear_params: int
+    """A dense MLP's weight matrices (its biases left out)."""
     moe_layers: int
     expert_params: int
     """One routed expert's weights."""
@@ -681,6 +675,7 @@ def _mlp_sizes(model: ModelSpec) -> _MlpSizes:
         shared = moe.shared_experts * mlp_mats * h * moe.shared_ffn
     moe_mlp = router + moe.experts * expert + shared if moe is not None else 0
     active_moe_mlp = router + moe.top_k * expert + shared if moe is not None else 0
-    return _MlpSizes(matrices=mlp_mats, dense_params=dense_mlp, moe_layers=moe_layers,
+    return _MlpSizes(dense_params=dense_mlp, dense_linear_params=mlp_mats * h * model.ffn_hidden,
+                     moe_layers=moe_layers,
                      expert_params=expert, moe_params=moe_mlp,
                      active_moe_params=active_moe_mlp)
