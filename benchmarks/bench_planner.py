@@ -12,6 +12,7 @@ For reference, HybridFlow reports its search takes up to half an hour (§8.5), a
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -63,7 +64,7 @@ def timed_search(job: JobSpec) -> tuple[float, Search, object]:
 
 def row(label: str, gpus: int, seconds: float, result) -> str:
     stats = result.stats
-    cache = stats.cost_model_cache()
+    cache = stats.cost_model_cache
     pruned = stats.partial_allocations_pruned + stats.allocations_pruned
     reached = stats.allocations + pruned
     best = result.best
@@ -135,6 +136,10 @@ def main() -> None:
     print(f"  median of {len(command)} runs {statistics.median(command):.2f} s "
           f"(min {min(command):.2f}, max {max(command):.2f}); goal (issue 30) <= 2 s -> "
           f"{'met' if statistics.median(command) <= 2 else 'MISSED'}")
+    serial = plan_command_seconds(env={"HYBRIDFLOW_SERIAL": "1"})
+    print(f"  on one core (HYBRIDFLOW_SERIAL=1: the modes' search, the search beside the "
+          f"report's imports and the figures, in turn): median of {len(serial)} runs "
+          f"{statistics.median(serial):.2f} s (min {min(serial):.2f}, max {max(serial):.2f})")
     for label, text, extra in (
             ("lognormal", PLAN_JOB_1M_LOGNORMAL, ()),
             ("maximum-entropy", PLAN_JOB_1M_MAX_ENTROPY, ()),
@@ -167,8 +172,10 @@ PLAN_JOB_1M_MAX_ENTROPY = PLAN_JOB_128.replace(
 
 
 def plan_command_seconds(runs: int = 5, job_text: str = PLAN_JOB_128,
-                         extra: tuple[str, ...] = ()) -> list[float]:
-    """Wall seconds of whole `python -m planner plan` processes (after one warm-up run)."""
+                         extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+                         ) -> list[float]:
+    """Wall seconds of whole `python -m planner plan` processes (after one warm-up run), with
+    ``env`` added to the environment."""
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.yaml"
@@ -177,7 +184,7 @@ def plan_command_seconds(runs: int = 5, job_text: str = PLAN_JOB_128,
             started = time.perf_counter()
             subprocess.run([sys.executable, "-m", "planner", "plan", "--config", str(job),
                             "--out", str(Path(tmp) / "report"), *extra], check=True,
-                           capture_output=True)
+                           capture_output=True, env={**os.environ, **(env or {})})
             if i:
                 out.append(time.perf_counter() - started)
     return out

@@ -105,7 +105,7 @@ class TrainerSide:
 
 def trainer_sides(job: JobSpec, options: SearchOptions | None = None) -> list[TrainerSide]:
     """For each rollout size, the trainer's search on the GPUs left. It does not depend on the
-    asynchronous mode (only the plan built around it does), so ``compare_modes`` runs it once
+    asynchronous mode (only the plan built around it does), so ``asynchronous_modes`` runs it once
     for one_step_off and async."""
     if not job.cluster.is_homogeneous:
         raise SpecError("asynchronous modes are planned on one node group; plan the mixed "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from planner.background import Background
 from planner.confidence import PlanConfidence
 from planner.objective import Ranking, plan_dollars_per_second, priced
 from planner.search import (
@@ -154,8 +155,36 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
              pinned: Placement | None = None, given: Plan | None = None,
              progress: Callable[[int, int, SearchStats], None] | None = None) -> PlanningResult:
     """The whole planning run: search (or a pinned placement, or a ``given`` plan to
-    evaluate), the standard strategies, the finalists simulated, and why not if none fits."""
+    evaluate), the standard strategies, the finalists simulated, why not if none fits, and
+    how sure the planner is of its winner."""
     options = options or SearchOptions()
+    return with_confidence(search_plans(job, options, pinned=pinned, given=given,
+                                        progress=progress), options.ranking)
+
+
+def search_plans(job: JobSpec, options: SearchOptions, *, pinned: Placement | None = None,
+                 given: Plan | None = None,
+                 progress: Callable[[int, int, SearchStats], None] | None = None
+                 ) -> PlanningResult:
+    """``plan_job`` without the confidence (``with_confidence`` adds it)."""
+    compared = given is None and job.cluster.is_homogeneous
+    # The asynchronous modes' searches share nothing with the synchronous one: they run
+    # beside it where a second core is free (inline, after it, where not).
+    with Background(asynchronous_modes, job, options, fork=None if compared else False) \
+            as asynchronous:
+        return _plan(job, options, pinned, given, progress,
+                     asynchronous if compared else None)
+
+
+def with_confidence(result: PlanningResult, objective: Ranking) -> PlanningResult:
+    """``result`` with how sure the planner is of its winner (``plan_confidence``)."""
+    return replace(result, confidence=plan_confidence(result.job, result.ranking,
+                                                      result.modes, objective))
+
+
+def _plan(job: JobSpec, options: SearchOptions, pinned: Placement | None, given: Plan | None,
+          progress: Callable[[int, int, SearchStats], None] | None,
+          asynchronous: Background[list[ModeOutcome]] | None) -> PlanningResult:
     search = Search(job, options, progress)
     objective = options.ranking
     if given is not None:
@@ -201,10 +230,10 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
                 name=name, placement=label,
                 result=evaluate(job, found.best, name, ranking=objective)))
     modes: tuple[ModeOutcome, ...] = ()
-    if given is None and job.cluster.is_homogeneous:
+    if asynchronous is not None:
         colocate = next((o for o in strategies if o.name == "colocate"), None)
-        modes = compare_modes(job, options, ranking[0] if ranking else None,
-                              colocate.result if colocate else None)
+        modes = compare_modes(job, ranking[0] if ranking else None,
+                              colocate.result if colocate else None, asynchronous.result())
         ranking = choose_ranking(job, ranking, modes, objective)
     best = ranking[0] if ranking else None
     if best is None and given is not None:
@@ -216,8 +245,7 @@ def plan_job(job: JobSpec, options: SearchOptions | None = None, *,
         reason = "" if best else (_other_modes_fit(job, modes) or explain_infeasible(job, search))
     return PlanningResult(job=job, best=best, ranking=ranking, strategies=tuple(strategies),
                           stats=search.stats, search_seconds=search.stats.seconds,
-                          infeasible_reason=reason, modes=modes,
-                          confidence=plan_confidence(job, ranking, modes, objective))
+                          infeasible_reason=reason, modes=modes)
 
 
 def _other_modes_fit(job: JobSpec, modes: tuple[ModeOutcome, ...]) -> str:
@@ -280,18 +308,25 @@ def plan_confidence(job: JobSpec, ranking: tuple[Evaluated, ...],
     return confidence(list(finalists.values()), model, unit="$" if by_cost else "s")
 
 
-def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | None,
-                  colocate: Evaluated | None) -> tuple[ModeOutcome, ...]:
+def compare_modes(job: JobSpec, best_sync: Evaluated | None, colocate: Evaluated | None,
+                  asynchronous: list[ModeOutcome]) -> tuple[ModeOutcome, ...]:
     """The best plan of each mode side by side: sync-colocate (all models on all GPUs), the
-    searched sync plan, one_step_off and async (the job's staleness bound, or 1) on the best
-    split into trainer and rollout GPUs."""
+    searched sync plan, then the ``asynchronous`` modes' (``asynchronous_modes``)."""
+    allowed = {mode for mode, _ in job.allowed_modes}
+    return (ModeOutcome(name="sync-colocate", staleness=0, allowed="sync" in allowed,
+                        result=colocate, reason="" if colocate else "does not fit"),
+            ModeOutcome(name="sync", staleness=0, allowed="sync" in allowed, result=best_sync,
+                        reason="" if best_sync else "no synchronous plan fits"),
+            *asynchronous)
+
+
+def asynchronous_modes(job: JobSpec, options: SearchOptions) -> list[ModeOutcome]:
+    """one_step_off and async (the job's staleness bound, or 1): each mode's best plan on the
+    best split into trainer and rollout GPUs (none when the actor is not trained)."""
     from planner.asynchronous import search_async, trainer_sides
 
     allowed = {mode for mode, _ in job.allowed_modes}
-    out = [ModeOutcome(name="sync-colocate", staleness=0, allowed="sync" in allowed,
-                       result=colocate, reason="" if colocate else "does not fit"),
-           ModeOutcome(name="sync", staleness=0, allowed="sync" in allowed, result=best_sync,
-                       reason="" if best_sync else "no synchronous plan fits")]
+    out = []
     trainers = None  # the trainer's searches, shared by one_step_off and async
     for mode, staleness in comparison_modes(job.mode, job.max_staleness):
         if mode == "sync":
@@ -306,7 +341,7 @@ def compare_modes(job: JobSpec, options: SearchOptions, best_sync: Evaluated | N
         out.append(ModeOutcome(
             name=mode, staleness=staleness, allowed=mode in allowed, result=result,
             reason="" if result else "no split into trainer and rollout GPUs fits"))
-    return tuple(out)
+    return out
 
 
 def choose_ranking(job: JobSpec, ranking: tuple[Evaluated, ...], modes: tuple[ModeOutcome, ...],

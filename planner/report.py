@@ -5,11 +5,13 @@ series); ``reports/`` draws the figures and writes the documents."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from planner.background import Background
 from planner.objective import group_price_per_gpu_hour, priced
 from planner.planning import Evaluated, PlanningResult, cheapest_meeting_deadline
 from planner.provenance import stale_calibration
@@ -371,26 +373,45 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
         result.best.plan.save(plan_path)
 
     title = f"{job.algorithm.upper()} on {job.cluster.total_gpus} GPUs"
-    pngs = [figures.throughput_by_strategy(
+    # Each figure is drawn in a child process of its own where cores are free (about a third
+    # of a second each), while this one writes the documents.
+    drawing = [Background(
+        figures.throughput_by_strategy,
         list(strategies["strategy"]), list(strategies["placement"]),
         [None if pd.isna(v) else float(v) for v in strategies["throughput_tokens_per_s"]],
         out / "throughput.png", f"Throughput per strategy - {title}",
         ["" if pd.isna(r) else str(r) for r in strategies["reason"]])]
     if result.best is not None:
-        pngs.append(figures.timeline_gantt(
+        drawing.append(Background(
+            figures.timeline_gantt,
             result.best.simulation.timeline, out / "timeline.png",
             f"Best plan {result.best.plan.placement}: one iteration "
             f"({result.best.iteration_seconds:.1f} s)" if result.best.plan.rollout is None else
             f"Best plan, {result.best.plan.mode_label()}: {result.best.simulation.iterations} "
             f"iterations ({result.best.iteration_seconds:.1f} s per steady step)"))
-        pngs.append(figures.memory_by_set(
+        drawing.append(Background(
+            figures.memory_by_set,
             result.best.estimate.memory, out / "memory.png",
             f"Peak memory per GPU of each set - {result.best.plan.placement}"))
+    with contextlib.ExitStack() as drawn:
+        for figure in drawing:
+            drawn.enter_context(figure)
+        document = _plan_document(result, out, ranking, strategies, stages, title)
+        pngs = [figure.result() for figure in drawing]
+    write_document(document, out, "report")  # the HTML embeds the figures
+    return ReportFiles(directory=out, plan=plan_path, report_md=out / "report.md",
+                       report_html=out / "report.html", ranking_csv=out / "ranking.csv",
+                       strategies_csv=out / "strategies.csv", figures=tuple(pngs))
 
+
+def _plan_document(result: PlanningResult, out: Path, ranking: pd.DataFrame,
+                   strategies: pd.DataFrame, stages: pd.DataFrame, title: str) -> Document:
+    """The report's text and tables, with the figures in ``out`` named."""
+    job = result.job
     summary = _job_summary(result)
     why = _why(result)
     stats = result.stats
-    cache = stats.cost_model_cache()
+    cache = stats.cost_model_cache
     stats_lines = [
         f"search time {result.search_seconds:.2f} s; {stats.placements} placement runs, "
         f"{stats.allocations} allocations reached, "
@@ -426,11 +447,8 @@ def write_plan_report(result: PlanningResult, out_dir: str | Path) -> ReportFile
                   Table(modes_table(result))] if result.modes else []),
                Heading("Ranking"), Table(ranking),
                Heading("Search"), *(Paragraph(line) for line in stats_lines)]
-    write_document(Document(title=f"RLHF placement plan: {title}", summary=tuple(summary),
-                            blocks=tuple(blocks)), out, "report")
-    return ReportFiles(directory=out, plan=plan_path, report_md=out / "report.md",
-                       report_html=out / "report.html", ranking_csv=out / "ranking.csv",
-                       strategies_csv=out / "strategies.csv", figures=tuple(pngs))
+    return Document(title=f"RLHF placement plan: {title}", summary=tuple(summary),
+                    blocks=tuple(blocks))
 
 
 def _confidence_lines(result: PlanningResult, bullet: str = "") -> list[str]:

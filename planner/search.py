@@ -215,15 +215,19 @@ class SearchStats:
     frontiers: int = 0
     frontier_cache_hits: int = 0
     seconds: float = 0.0
+    cost_model_cache: dict[str, float] = field(default_factory=dict)
+    """This process's cost-model caches when the last run ended (``cost_model_cache``)."""
 
-    def cost_model_cache(self) -> dict[str, float]:
-        hits = misses = 0
-        for fn in (train_step, forward_pass, decode, prefill_seconds, layer_cost):
-            info = fn.cache_info()
-            hits += info.hits
-            misses += info.misses
-        total = hits + misses
-        return {"hits": hits, "misses": misses, "hit_rate": hits / total if total else 0.0}
+
+def cost_model_cache() -> dict[str, float]:
+    """Hits, misses and hit rate of this process's cost-model caches so far."""
+    hits = misses = 0
+    for fn in (train_step, forward_pass, decode, prefill_seconds, layer_cost):
+        info = fn.cache_info()
+        hits += info.hits
+        misses += info.misses
+    total = hits + misses
+    return {"hits": hits, "misses": misses, "hit_rate": hits / total if total else 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -748,6 +752,7 @@ class Search:
                     self.progress(variant * len(chosen) + index + 1, steps, self.stats)
         ranking = tuple(sorted((c for _, _, c in top), key=Candidate.sort_key))
         self.stats.seconds += time.perf_counter() - start
+        self.stats.cost_model_cache = cost_model_cache()
         return SearchResult(best=ranking[0] if ranking else None, ranking=ranking,
                             stats=self.stats)
 

@@ -132,9 +132,9 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
          micro_batches: str, max_num_seqs: str, memory_utilization: str, objective: str,
          pay_for: str, deadline: float | None, as_json: bool) -> None:
     """Search the best placement and parallel configs; write the plan and a report."""
-    from planner.planning import plan_job
+    from planner.background import Background
+    from planner.planning import with_confidence
     from planner.progress import SearchProgress
-    from planner.report import plan_json, write_plan_report
     from simulator.plan import parse_placement
 
     if placement and plan_path:
@@ -171,9 +171,14 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         if stale:
             click.echo(f"hybridflow: warning: {stale}", err=True)
     progress = SearchProgress(enabled=not as_json)
-    with _about(config or plan_path):
-        result = plan_job(job, options, pinned=pinned, given=given, progress=progress)
-    progress.close()
+    with Background(_searched, job, options, pinned, given, progress) as searching:
+        # The report's libraries (matplotlib, pandas: about a second) load here while the
+        # search runs in a child process, where a second core is free; the confidence reads
+        # the validation table, which needs pandas too.
+        from planner.report import plan_json, write_plan_report
+
+        with _about(config or plan_path):
+            result = with_confidence(searching.result(), options.ranking)
     from planner.sanity import plan_warnings
 
     warnings = plan_warnings(result.job, result.best)
@@ -201,6 +206,16 @@ def plan(config: str | None, gpus: int | None, out: str, placement: str | None,
         if not as_json:
             click.echo(f"does not fit: {result.infeasible_reason}", err=True)
         sys.exit(EXIT_DOES_NOT_FIT)
+
+
+def _searched(job: Any, options: Any, pinned: Any, given: Any, progress: Any) -> Any:
+    """``search_plans``, its progress line ended in the process that drew it."""
+    from planner.planning import search_plans
+
+    try:
+        return search_plans(job, options, pinned=pinned, given=given, progress=progress)
+    finally:
+        progress.close()
 
 
 def _print_plan(result: Any, files: Any) -> None:
