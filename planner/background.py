@@ -51,8 +51,9 @@ class Background(Generic[T]):
             context = multiprocessing.get_context("fork")
             self._reader, writer = context.Pipe(duplex=False)
             # What this process has buffered would otherwise be written again by the child.
-            sys.stdout.flush()
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
             self._process = context.Process(target=_run_and_send,
                                             args=(self._reader, writer, self._call),
                                             name=getattr(function, "__name__", "background"))
