@@ -66,21 +66,22 @@ class Background(Generic[T]):
         return self._process is not None
 
     def result(self) -> T:
-        """The function's value; its exception, raised here, if it raised one."""
+        """The function's value; its exception, raised here, if it raised one. Once only."""
         function, args, kwargs = self._call
+        self._call = (_already_collected, (), {})
         if self._process is None:
             return function(*args, **kwargs)
+        process, self._process = self._process, None
         try:
             kind, payload = self._reader.recv()
         except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the background process running {self._process.name} ended "
-                               f"without a result (exit code {self._process.exitcode})") from None
+            kind, payload = "died", None
         finally:
             self._reader.close()
-        self._process.join()
-        self._process = None
-        self._call = (_already_collected, (), {})
+            process.join()
+        if kind == "died":
+            raise RuntimeError(f"the background process running {process.name} ended "
+                               f"without a result (exit code {process.exitcode})")
         if kind == "error":
             raise payload
         return payload
