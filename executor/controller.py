@@ -277,10 +277,13 @@ class WorkerGroup:
     per bundle, forming one torch.distributed group."""
 
     def __init__(self, ray: Any, index: int, colocated: ColocatedSet,
-                 setup: str | None = None, node_ids: list[str] | None = None):
+                 setup: str | None = None, node_ids: list[str] | None = None,
+                 form: bool = True):
         """``node_ids``: the Ray node of each rank's bundle (``executor.placement``); ranks
         then follow the plan's GPU order. Without it, Ray packs the bundles where it likes
-        and ranks are ordered by node, then GPU."""
+        and ranks are ordered by node, then GPU. ``form=False`` only asks Ray for the
+        bundles and the workers (nothing is waited for): several groups then start their
+        processes at once, and each is ready once ``form()`` returns."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -289,20 +292,35 @@ class WorkerGroup:
         self.ray = ray
         self.index = index
         self.colocated = colocated
+        self._ordered_by_plan = bool(node_ids)
         selectors = [{NODE_ID_LABEL: node} for node in node_ids] if node_ids else None
         self.placement_group = placement_group([{"GPU": 1}] * colocated.gpus,
                                                strategy="PACK",
                                                bundle_label_selector=selectors)
-        ray.get(self.placement_group.ready(), timeout=600)
         remote = ray.remote(SetWorker)
-        workers = [
+        # Rank order until form() knows where each landed (shutdown() needs them before).
+        self.workers = [
             remote.options(num_gpus=1, num_cpus=0, scheduling_strategy=(
                 PlacementGroupSchedulingStrategy(self.placement_group,
                                                  placement_group_bundle_index=i)))
             .remote(colocated.gpus, index, setup)
             for i in range(colocated.gpus)]
+        self.nodes: list[str] = []
+        """Ray node id of each rank."""
+        self.addresses: list[str] = []
+        """Node IP address of each rank."""
+        self.clock_offsets: list[tuple[float, float]] = []
+        """Per rank: (worker clock - controller clock, uncertainty), seconds."""
+        if form:
+            self.form()
+
+    def form(self) -> None:
+        """Wait for the bundles and the workers, order the ranks and form the set's
+        torch.distributed group."""
+        ray, workers = self.ray, self.workers
+        ray.get(self.placement_group.ready(), timeout=600)
         locations = ray.get([w.location.remote() for w in workers])
-        if node_ids:
+        if self._ordered_by_plan:
             order = list(range(len(workers)))
         else:
             # Consecutive ranks (a tensor-parallel group) share a node whenever the placement
@@ -310,17 +328,13 @@ class WorkerGroup:
             order = sorted(range(len(workers)), key=lambda i: (locations[i], i))
         self.workers = [workers[i] for i in order]
         self.nodes = [locations[i][0] for i in order]
-        """Ray node id of each rank."""
-        addresses = [locations[i][1] for i in order]
-        self.addresses = addresses
-        """Node IP address of each rank."""
+        self.addresses = [locations[i][1] for i in order]
         # One node: the loopback interface (always there); several: rank 0's node address.
-        host = "127.0.0.1" if len(set(self.nodes)) == 1 else addresses[0]
+        host = "127.0.0.1" if len(set(self.nodes)) == 1 else self.addresses[0]
         port = ray.get(self.workers[0].open_rendezvous.remote(host))
         ray.get([w.join.remote(f"{host}:{port}", rank) for rank, w in enumerate(self.workers)])
         self.clock_offsets = [clock_offset(lambda w=w: ray.get(w.clock.remote()))
                               for w in self.workers]
-        """Per rank: (worker clock - controller clock, uncertainty), seconds."""
 
     def check_groups_share_nodes(self, size: int, what: str) -> None:
         """Raise if any group of ``size`` consecutive ranks spans two nodes (tensor-parallel
@@ -334,7 +348,12 @@ class WorkerGroup:
                     "tp", key=f"sets[{self.index}]")
 
     def build(self, config: RoleConfig) -> list[dict[str, Any]]:
-        return self.ray.get([w.build.remote(config) for w in self.workers])
+        return self.ray.get(self.start_build(config))
+
+    def start_build(self, config: RoleConfig) -> list[Any]:
+        """Ask every rank to build ``config``'s role; the result references (a group's
+        workers build in the order they are asked, other groups' at the same time)."""
+        return [w.build.remote(config) for w in self.workers]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the group's workers: ``graceful`` lets each close its process groups first;

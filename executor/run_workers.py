@@ -50,16 +50,20 @@ class RunWorkers:
         self.node_map = map_plan_nodes(plan, job.cluster.gpus_per_node,
                                        gpu_nodes(self.ray.nodes()),
                                        local=options.address is None)
-        # The training sets, then the rollout set of a one-step-off plan.
-        self.groups = [WorkerGroup(self.ray, i, s, options.worker_setup,
-                                   self.node_map.bundle_nodes(plan, i,
-                                                              job.cluster.gpus_per_node))
-                       for i, s in enumerate(plan.located_sets())]
+        # The training sets, then the rollout set of a one-step-off plan: every group's
+        # workers are asked for before any is waited for, so that their processes start
+        # (and their models build) side by side, not one set after another.
+        for i, s in enumerate(plan.located_sets()):
+            self.groups.append(WorkerGroup(self.ray, i, s, options.worker_setup,
+                                           self.node_map.bundle_nodes(
+                                               plan, i, job.cluster.gpus_per_node),
+                                           form=False))
+        for group in self.groups:
+            group.form()
         self.worker_code = self.ray.get(self.groups[0].workers[0].code_location.remote())
         self._check_tensor_parallel_groups()
-        for group in self.groups:
-            for role in group.colocated.roles:
-                group.build(self.configs[role])
+        self.ray.get([ref for group in self.groups for role in group.colocated.roles
+                      for ref in group.start_build(self.configs[role])])
         self.records = []
         self.handles = self._role_handles()
         work = job.workload

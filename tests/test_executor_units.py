@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -497,6 +498,63 @@ def test_a_failed_groups_workers_are_killed_without_asking_them_to_stop(monkeypa
     calls.clear()
     group.shutdown()
     assert calls == ["shutdown", "shutdown", "wait", "kill", "kill", "free"]
+
+
+def test_every_sets_workers_start_before_any_set_is_waited_for(monkeypatch) -> None:
+    """A run asks Ray for the workers of all its sets first, then waits for each set to
+    form, then builds every set's roles with one wait: the sets' processes start and their
+    models build side by side (a 4-set plan no longer starts in four rounds)."""
+    import executor.run_workers as run_workers
+    from simulator.plan import ColocatedSet, Plan, RolePlan
+    from simulator.specs.parallel import ParallelConfig
+
+    events: list[str] = []
+
+    class Group:
+        def __init__(self, ray, index, colocated, setup, node_ids, form=True):
+            assert form is False
+            self.index, self.colocated = index, colocated
+            self.workers = [SimpleNamespace(code_location=SimpleNamespace(
+                remote=lambda: "code"))]
+            events.append(f"ask {index}")
+
+        def form(self) -> None:
+            events.append(f"form {self.index}")
+
+        def start_build(self, config) -> list[str]:
+            return [f"build {self.index} {config}"]
+
+    class Ray:
+        def nodes(self) -> list:
+            return [{"NodeID": "n0", "NodeManagerAddress": "10.0.0.1", "Alive": True,
+                     "Resources": {"GPU": 4}}]
+
+        def get(self, refs):
+            events.append(f"wait {refs}")
+            return {} if refs == "code" else refs
+
+    class BuiltError(Exception):
+        pass
+
+    def stop_here(self):
+        raise BuiltError
+
+    monkeypatch.setattr(run_workers, "WorkerGroup", Group)
+    monkeypatch.setattr(run_workers.RunWorkers, "_role_handles", stop_here)
+    roles = ("actor", "critic", "ref", "reward")
+    plan = Plan(algorithm="ppo",
+                sets=tuple(ColocatedSet(roles=(r,), gpus=1, first_gpu=i)
+                           for i, r in enumerate(roles)),
+                roles={r: RolePlan(parallel=ParallelConfig()) for r in roles})
+    job = SimpleNamespace(gpu_roles=roles, cluster=SimpleNamespace(gpus_per_node=4))
+    workers = run_workers.RunWorkers(Ray(), job, plan, {r: r for r in roles})
+    with pytest.raises(BuiltError):
+        workers.start(SimpleNamespace(address=None, worker_setup=None), task=None)
+    assert events == ["ask 0", "ask 1", "ask 2", "ask 3", "form 0", "form 1", "form 2",
+                      "form 3", "wait code",
+                      "wait ['build 0 actor', 'build 1 critic', 'build 2 ref', "
+                      "'build 3 reward']"]
+    assert len(workers.groups) == 4  # all of them stopped if anything fails
 
 
 def test_run_options_round_trip_through_meta_json():
