@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
-import pytest
+# Two test processes share this 2-core machine (pytest-xdist), and the executor workers and
+# CLI processes the tests start share it with them: each takes one compute thread, as the
+# executor's workers do (executor.worker.configure_threads). Set before torch or numpy load,
+# here and in every process a test starts. An idle OpenMP thread spin-waits on a core the
+# others need: the two-node placement test (alone 20 s) took 60 s beside a process running
+# small torch matmuls on two threads and 30 s beside the same work on one (2026-12-02).
+for _threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_threads, "1")
 
-from simulator.specs.job import JobSpec, default_job
+import pytest  # noqa: E402
+
+from simulator.specs.job import JobSpec, default_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "planner" / "examples"
