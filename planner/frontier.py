@@ -124,6 +124,7 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
     offloads: dict = {}
     switches: dict = {}
     forwards: dict = {}
+    engine_bytes: dict[GenerationConfig, float] = {}
     for plan in plans:
         # The training backend too: the loss's logits memory depends on it.
         layout = (plan.parallel, plan.training_backend)
@@ -136,20 +137,22 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
             continue
         resident, node_seconds, transient = shared
         switch = extra = 0.0
-        if plan.generation is not None:
-            extra = extra_generation_weights(
-                job, generation_weight_bytes(model, plan.generation, dtype), resident.params)
+        gen = plan.generation
+        if gen is not None:
+            if gen not in engine_bytes:
+                engine_bytes[gen] = generation_weight_bytes(model, gen, dtype)
+            extra = extra_generation_weights(job, engine_bytes[gen], resident.params)
         if resident.total + max(transient, extra) > usable_bytes:
             continue
-        if plan.generation is not None:
+        if gen is not None:
             # The transition reads the training layout's shape and sharding only, not its
             # micro-batch or recompute mode.
             par = plan.parallel
             scheme = transition_scheme_of(job, plan)
             key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, par.fsdp_size,
-                   plan.generation, scheme)
+                   gen, scheme)
             if key not in switches:
-                switches[key] = transition(model, profile, par, plan.generation, dtype=dtype,
+                switches[key] = transition(model, profile, par, gen, dtype=dtype,
                                            gpus_per_node=gpn, scheme=scheme).seconds
             switch = switches[key]
         if plan.parallel not in offloads:
@@ -821,19 +824,23 @@ def _engine_fit(ctx: _SetContext, actor_role: str, plan: RolePlan, gen: Generati
         fit.sleep_wake[ctx.group_of[node.name]] += (
             generation_fixed_seconds(job, model, gen)
             - generation_fixed_seconds(job, model, kept_gen)) * host_slowdown(job, ctx.gpus)
+        top_cap = min(gen.max_num_seqs, table.sequences)
         caps = np.clip(np.floor(capacity / (job.workload.prompt_length + table.mean_response)),
-                       1, min(gen.max_num_seqs, table.sequences)).astype(int)
-        # Same rule as simulator.costs.generation.running_cap, vectorised.
-        unique_caps, which = np.unique(caps[fit.ok], return_inverse=True)
-        seconds = np.array([_generation_seconds(job, node, gen, lengths, table, int(cap),
-                                                ctx.gpus)
-                            for cap in unique_caps])
-        peak_kv_bytes = np.array([table.peak_kv_bytes_by_cap[int(cap)] for cap in unique_caps])
-        added = np.zeros(shape)
-        added[fit.ok] = seconds[which]
-        fit.added.append((ctx.group_of[node.name], added))
-        peak = memory.extra[fit.ok] + peak_kv_bytes[which] + table.workspace_bytes
-        fit.peak_bytes[fit.ok] = np.maximum(fit.peak_bytes[fit.ok], peak)
+                       1, top_cap).astype(int)
+        # Same rule as simulator.costs.generation.running_cap, vectorised. The caps lie in
+        # [1, top_cap]: each one met is priced once (ascending), then read back by index.
+        # (0 marks the pairs that do not fit: np.where over the whole matrix is cheaper than
+        # boolean gathers and scatters.)
+        met = np.where(fit.ok, caps, 0)
+        seconds = np.zeros(top_cap + 1)
+        peak_kv_bytes = np.zeros(top_cap + 1)
+        for cap in np.flatnonzero(np.bincount(met.ravel(), minlength=top_cap + 1)[1:]) + 1:
+            seconds[cap] = _generation_seconds(job, node, gen, lengths, table, int(cap),
+                                               ctx.gpus)
+            peak_kv_bytes[cap] = table.peak_kv_bytes_by_cap[int(cap)]
+        fit.added.append((ctx.group_of[node.name], seconds[met]))
+        peak = memory.extra + peak_kv_bytes[met] + table.workspace_bytes
+        fit.peak_bytes = np.where(fit.ok, np.maximum(fit.peak_bytes, peak), fit.peak_bytes)
     return fit
 
 

@@ -422,6 +422,7 @@ def role_configs(job: JobSpec, role: str, gpus: int,
     vpp = pins.get("vpp", 1)
     overlap_grad, overlap_param = job.overlap_for(role)
     out: list[RolePlan] = []
+    generations: dict[tuple, list[GenerationConfig]] = {}
     for layout in layouts(job, role, gpus, options, variant, pins):
         # Interleaving runs equal chunks.
         if vpp > 1 and (layout.pp == 1 or not layout.engine.virtual_pipeline
@@ -467,9 +468,14 @@ def role_configs(job: JobSpec, role: str, gpus: int,
             if not generates:
                 out.append(RolePlan(parallel=par, training_backend=backend))
                 continue
+            # The generation configs read the layout's shape and sharding only, not its
+            # micro-batch, recompute or offload: layouts of one shape share one list.
+            shape = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding,
+                     par.weight_shards)
+            if shape not in generations:
+                generations[shape] = _generations(job, role, gpus, par, pins, space, options)
             out += [RolePlan(parallel=par, generation=gen, training_backend=backend)
-                    for gen in _generations(job, role, gpus, par, pins, space,
-                                            options)]
+                    for gen in generations[shape]]
     return out
 
 
