@@ -24,7 +24,7 @@ from pathlib import Path
 from planner.search import Search, SearchOptions
 from simulator.costs.generation import decode, prefill_seconds
 from simulator.costs.inference import forward_pass
-from simulator.costs.training import train_step
+from simulator.costs.training import STEP_PART_CACHES, train_step
 from simulator.costs.transformer import layer_cost
 from simulator.specs.cluster import ClusterSpec, NodeGroup
 from simulator.specs.job import JobSpec, default_job
@@ -39,7 +39,7 @@ LONG_TAIL = LengthDistribution(distribution="lognormal", median=512, sigma=0.8, 
 
 
 def clear_caches() -> None:
-    for fn in (train_step, forward_pass, decode, prefill_seconds, layer_cost):
+    for fn in (train_step, forward_pass, decode, prefill_seconds, layer_cost, *STEP_PART_CACHES):
         fn.cache_clear()
 
 

@@ -661,9 +661,9 @@ def _with_actor(ctx: _SetContext, combos: _Combos, actor_role: str,
     (None when nothing fits)."""
     rows: list[_Combos] = []
     leaders = _Leaders(ctx.groups)
-    by_generation, keeping = _generation_families(actor)
+    by_generation, twins = _generation_families(actor)
     for gen, indices in by_generation.items():
-        rows.extend(_actor_rows(ctx, combos, actor_role, actor, matrix, gen, indices, keeping,
+        rows.extend(_actor_rows(ctx, combos, actor_role, actor, matrix, gen, indices, twins,
                                 leaders))
     if not rows:
         return None
@@ -675,8 +675,9 @@ def _with_actor(ctx: _SetContext, combos: _Combos, actor_role: str,
 
 
 def _generation_families(actor: list[RoleCandidate],
-                         ) -> tuple[dict[GenerationConfig, list[int]], dict[tuple, int]]:
-    """The actor's configs grouped by generation config, and the kept-cache twins.
+                         ) -> tuple[dict[GenerationConfig, list[int]], dict[int, int]]:
+    """The actor's configs grouped by generation config, and each freeing config's kept-cache
+    twin (by index).
 
     A config whose engine keeps its cache is its freeing twin's config with the sleep and
     wake taken out and the engine's allocation held through the other operations: it is
@@ -684,21 +685,25 @@ def _generation_families(actor: list[RoleCandidate],
     by (layout, backend, generation): RolePlan's fields, as tuples, so that no RolePlan is
     built per candidate."""
     by_generation: dict[GenerationConfig, list[int]] = {}
-    keeping: dict[tuple, int] = {}
-    freeing = {(c.plan.parallel, c.plan.training_backend, c.plan.generation)
-               for c in actor if c.plan.generation is not None
-               and c.plan.generation.free_cache is True}
+    freeing: dict[tuple, list[int]] = {}
+    for i, c in enumerate(actor):
+        if c.plan.generation is not None and c.plan.generation.free_cache is True:
+            freeing.setdefault((c.plan.parallel, c.plan.training_backend, c.plan.generation),
+                               []).append(i)
+    twin_of: dict[int, int] = {}
     with_cache: dict[GenerationConfig, GenerationConfig] = {}
     for i, c in enumerate(actor):
         gen = c.plan.generation
         if gen is not None and gen.free_cache is False:
             twin = with_cache.setdefault(gen, replace(gen, free_cache=True))
-            if (c.plan.parallel, c.plan.training_backend, twin) in freeing:
-                keeping[(c.plan.parallel, c.plan.training_backend, gen)] = i
+            twins = freeing.get((c.plan.parallel, c.plan.training_backend, twin))
+            if twins:
+                for t in twins:
+                    twin_of[t] = i
                 continue
         # a kept-cache config without a freeing twin (pinned) is priced alone
         by_generation.setdefault(gen, []).append(i)  # type: ignore[arg-type]
-    return by_generation, keeping
+    return by_generation, twin_of
 
 
 @dataclass(slots=True)
@@ -731,16 +736,14 @@ class _EngineFit:
 
 def _actor_rows(ctx: _SetContext, combos: _Combos, actor_role: str,
                 actor: list[RoleCandidate], matrix: np.ndarray, gen: GenerationConfig,
-                indices: list[int], keeping: dict[tuple, int], leaders: _Leaders,
+                indices: list[int], twins: dict[int, int], leaders: _Leaders,
                 ) -> list[_Combos]:
     """The completed combinations of one generation config: its freeing configs and, where
     they fit, their kept-cache twins (a ``_Combos`` per variant with rows)."""
     idx = np.array(indices)
     a_contrib = matrix[idx]
     kept_gen = replace(gen, free_cache=False)
-    twin_of = np.array([keeping.get((actor[i].plan.parallel, actor[i].plan.training_backend,
-                                     kept_gen), -1)
-                        if gen.free_cache is True else -1 for i in indices])
+    twin_of = np.array([twins.get(i, -1) for i in indices])
     memory = _actor_memory(ctx, combos, [actor[i] for i in indices])
     fit = _engine_fit(ctx, actor_role, actor[indices[0]].plan, gen, kept_gen, memory)
     usable = ctx.usable_bytes

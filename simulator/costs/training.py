@@ -36,7 +36,7 @@ from simulator.costs.transformer import (
 from simulator.costs.ulysses import ulysses_forward_seconds
 from simulator.packing import PackedBatch
 from simulator.specs.model import ModelSpec
-from simulator.specs.parallel import ParallelConfig, stage_layers
+from simulator.specs.parallel import ParallelConfig, expert_replicas, stage_layers
 
 TRAIN = "train_collective"
 """Correction key of the collectives inside a training step (gradient reduction, FSDP
@@ -133,8 +133,12 @@ def data_parallel_span(par: ParallelConfig, gpus_per_node: int) -> Span:
     """Where a data-parallel group sits: ranks ``tp`` apart (Megatron's order puts tensor
     parallelism innermost), and every rank of the node reduces at the same moment (each
     model-parallel rank has its own data-parallel group)."""
-    return group_span(par.dp, par.tp, gpus_per_node,
-                      busy_ranks_per_node=par.tp * par.dp * par.pp)
+    return _replica_span(par.tp, par.dp, par.pp, gpus_per_node)
+
+
+def _replica_span(tp: int, dp: int, pp: int, gpus_per_node: int) -> Span:
+    """``data_parallel_span`` from the layout's shape."""
+    return group_span(dp, tp, gpus_per_node, busy_ranks_per_node=tp * dp * pp)
 
 
 def fsdp_group_span(par: ParallelConfig, gpus_per_node: int) -> Span:
@@ -295,27 +299,42 @@ def _stage_end_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelCo
                        ) -> tuple[float, float]:
     """(first stage's extra seconds, last stage's) per micro-batch: the embedding, and the
     output head with its loss; one stage holds both when pp = 1."""
+    return _stage_end_seconds_of(model, profile, tp=par.tp, pipelined=par.pp > 1,
+                                 sequence_parallel=par.sequence_parallel, tokens=tokens,
+                                 dtype=dtype, value_head=value_head,
+                                 compute_scale=compute_scale, logprob_bytes=logprob_bytes,
+                                 tp_cross=tp_cross)
+
+
+@lru_cache(maxsize=65536)
+def _stage_end_seconds_of(model: ModelSpec, profile: DeviceProfile, *, tp: int, pipelined: bool,
+                          sequence_parallel: bool, tokens: float, dtype: str,
+                          value_head: bool, compute_scale: float,
+                          logprob_bytes: tuple[float, float], tp_cross: bool,
+                          ) -> tuple[float, float]:
+    """``_stage_end_seconds`` from the layout fields it reads (the search asks it for every
+    micro-batch and recompute mode of a layout: cached)."""
     # First stage: embedding; last stage: output head with loss (forward + 2x backward).
     first_extra = 3 * embedding_seconds(model, profile, tokens=tokens, dtype=dtype) \
         * compute_scale
     # The head's GEMM forward and its two backward GEMMs, with the loss's log-prob traffic.
     loss_forward, loss_backward = logprob_bytes
-    last_extra = (head_forward_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
+    last_extra = (head_forward_seconds(model, profile, tokens=tokens, tp=tp, dtype=dtype,
                                        value_head=value_head, loss=True,
                                        loss_bytes_per_entry=loss_forward)
-                  + 2 * head_forward_seconds(model, profile, tokens=tokens, tp=par.tp,
+                  + 2 * head_forward_seconds(model, profile, tokens=tokens, tp=tp,
                                              dtype=dtype, value_head=value_head, loss=True,
                                              loss_bytes_per_entry=loss_backward / 2)
                   ) * compute_scale
     # The vocabulary-split embedding and log-softmax collectives of the forward pass (their
     # backward needs none).
-    vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=par.tp, dtype=dtype,
+    vocab_comm = vocab_parallel_seconds(model, profile, tokens=tokens, tp=tp, dtype=dtype,
                                         value_head=value_head,
-                                        sequence_parallel=par.sequence_parallel,
+                                        sequence_parallel=sequence_parallel,
                                         tp_crosses_nodes=tp_cross)
-    first_extra += vocab_comm / (2 if par.pp > 1 else 1)
-    last_extra += vocab_comm / 2 if par.pp > 1 else 0.0
-    if par.pp == 1:
+    first_extra += vocab_comm / (2 if pipelined else 1)
+    last_extra += vocab_comm / 2 if pipelined else 0.0
+    if not pipelined:
         return first_extra + last_extra, 0.0
     return first_extra, last_extra
 
@@ -397,35 +416,53 @@ def _gradient_reduction_seconds(model: ModelSpec, profile: DeviceProfile,
     """Gradient reduction over data-parallel replicas (FSDP already reduce-scattered), less
     what overlaps the backward (``backward_window`` seconds) on GPUs; and the tied
     embedding's all-reduce between the first and last stage."""
-    b = DTYPE_BYTES[dtype]
     dp_comm = 0.0
     if par.sharding != "fsdp":
-        local_params = stage_param_count(model, tp=par.tp, pp=par.pp, value_head=value_head,
-                                         ep=par.ep, etp=par.etp)
-        # Dense parameters reduce over the dp replicas, routed experts over theirs
-        # (expert_dp ranks spaced ep * etp apart).
-        expert_params = stage_expert_param_count(model, pp=par.pp, ep=par.ep, etp=par.etp)
-        groups = ((local_params - expert_params, par.dp, data_parallel_span(par, gpus_per_node)),
-                  (expert_params, par.expert_dp,
-                   group_span(par.expert_dp, par.ep * par.etp, gpus_per_node,
-                              busy_ranks_per_node=par.tp * par.dp * par.pp)))
-        for params, group, span in groups:
-            if group <= 1 or params <= 0:
-                continue
-            if par.sharding == "optimizer":
-                dp_comm += (reduce_scatter_seconds(profile, params * grad_bytes, group,
-                                                   span=span, correction=TRAIN)
-                            + all_gather_seconds(profile, params * b, group, span=span,
-                                                 correction=TRAIN))
-            else:
-                dp_comm += all_reduce_seconds(profile, params * grad_bytes, group, span=span,
-                                              correction=TRAIN)
+        dp_comm = _replica_reduction_seconds(
+            model, profile, tp=par.tp, pp=par.pp, dp=par.dp, ep=par.ep, etp=par.etp,
+            sharded_optimizer=par.sharding == "optimizer", value_head=value_head,
+            grad_bytes=grad_bytes, dtype=dtype, gpus_per_node=gpus_per_node)
         if par.overlap_grad_reduce and profile.kind == "gpu":
             dp_comm = max(0.0, dp_comm - backward_window)
     if par.pp > 1 and model.tied_embeddings and not value_head:
         # Tied embedding gradients are all-reduced between the first and last stage.
         dp_comm += all_reduce_seconds(profile, model.vocab * model.hidden / par.tp
                                       * grad_bytes, 2, par.world_size > gpus_per_node)
+    return dp_comm
+
+
+@lru_cache(maxsize=65536)
+def _replica_reduction_seconds(model: ModelSpec, profile: DeviceProfile, *, tp: int, pp: int,
+                               dp: int, ep: int, etp: int, sharded_optimizer: bool,
+                               value_head: bool, grad_bytes: int, dtype: str,
+                               gpus_per_node: int) -> float:
+    """Seconds of reducing a stage's gradients over its data-parallel replicas (the
+    distributed optimizer reduce-scatters them and all-gathers the updated parameters), with
+    no overlap: it reads the layout's shape only, so every micro-batch and recompute mode of
+    a layout shares it (cached)."""
+    b = DTYPE_BYTES[dtype]
+    dp_comm = 0.0
+    local_params = stage_param_count(model, tp=tp, pp=pp, value_head=value_head, ep=ep,
+                                     etp=etp)
+    # Dense parameters reduce over the dp replicas, routed experts over theirs
+    # (expert_dp ranks spaced ep * etp apart).
+    expert_params = stage_expert_param_count(model, pp=pp, ep=ep, etp=etp)
+    expert_dp = expert_replicas(tp=tp, dp=dp, ep=ep, etp=etp)
+    groups = ((local_params - expert_params, dp, _replica_span(tp, dp, pp, gpus_per_node)),
+              (expert_params, expert_dp,
+               group_span(expert_dp, ep * etp, gpus_per_node,
+                          busy_ranks_per_node=tp * dp * pp)))
+    for params, group, span in groups:
+        if group <= 1 or params <= 0:
+            continue
+        if sharded_optimizer:
+            dp_comm += (reduce_scatter_seconds(profile, params * grad_bytes, group, span=span,
+                                               correction=TRAIN)
+                        + all_gather_seconds(profile, params * b, group, span=span,
+                                             correction=TRAIN))
+        else:
+            dp_comm += all_reduce_seconds(profile, params * grad_bytes, group, span=span,
+                                          correction=TRAIN)
     return dp_comm
 
 
@@ -452,3 +489,8 @@ def _training_memory(model: ModelSpec, par: ParallelConfig, layer: LayerCost, *,
 def mfu(cost: TrainingCost, profile: DeviceProfile, gpus: int, dtype: str = "bf16") -> float:
     """Model FLOPs utilisation: model FLOPs / (seconds x GPUs x peak)."""
     return cost.model_flops / (cost.seconds * gpus * profile.peak_flops(dtype))
+
+
+STEP_PART_CACHES = (_stage_end_seconds_of, _replica_reduction_seconds)
+"""The caches beneath ``train_step``'s own: a benchmark that times a cold search clears them
+with it."""

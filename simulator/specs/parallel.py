@@ -214,7 +214,7 @@ class ParallelConfig:
     def expert_dp(self) -> int:
         """Replicas of each expert shard (Megatron's expert data parallel size): the stage's
         tp * dp ranks over ep * etp."""
-        return max(1, self.tp * self.dp // (self.ep * self.etp))
+        return expert_replicas(tp=self.tp, dp=self.dp, ep=self.ep, etp=self.etp)
 
     def check_model(self, model: ModelSpec, *, gpus_per_node: int, key: str = "") -> None:
         """Raise SpecError if this layout cannot hold ``model`` on nodes of ``gpus_per_node``."""
@@ -404,3 +404,8 @@ def check_pipeline_stages(model: ModelSpec, pp: int, vpp: int, *, key: str) -> N
         raise SpecError(f"pp*vpp={pp * vpp} does not divide the {model.layers} layers of "
                         f"{model.name} (interleaved stages hold equal chunks)",
                         key=f"{prefix}vpp")
+
+
+def expert_replicas(*, tp: int, dp: int, ep: int, etp: int) -> int:
+    """Replicas of each expert shard (``ParallelConfig.expert_dp``) from the layout's shape."""
+    return max(1, tp * dp // (ep * etp))
