@@ -695,7 +695,9 @@ def _generation_families(actor: list[RoleCandidate],
     for i, c in enumerate(actor):
         gen = c.plan.generation
         if gen is not None and gen.free_cache is False:
-            twin = with_cache.setdefault(gen, replace(gen, free_cache=True))
+            twin = with_cache.get(gen)
+            if twin is None:
+                twin = with_cache[gen] = replace(gen, free_cache=True)
             twins = freeing.get((c.plan.parallel, c.plan.training_backend, twin))
             if twins:
                 for t in twins:

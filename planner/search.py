@@ -626,9 +626,14 @@ class Search:
                          and not self.job.generation_elsewhere]
             if generates:
                 out.append((generates[0].name, min(c.transition_seconds for c in cands)))
+            # The fastest generation reads a config's generation layout and GPU count only:
+            # one candidate of each stands for the others.
+            first_of: dict[tuple, RoleCandidate] = {}
+            for c in cands:
+                first_of.setdefault((c.plan.generation, c.plan.parallel.world_size), c)
             for node in generates:
                 out.append((node.name, min(self._fastest_generation(node.name, c, pool)
-                                           for c in cands)))
+                                           for c in first_of.values())))
             terms = tuple(out)
         self._role_ideals[key] = terms
         return terms
