@@ -34,6 +34,9 @@ from simulator.specs.presets import MODEL_PRESETS
 CASES = [(m, g) for m in ("llama2-7b", "llama2-13b", "codellama-34b", "llama2-70b")
          for g in (16, 32, 64, 128)] + [("llama2-70b", 1024)]
 
+TARGET_RUNS = 5
+"""Searches per 128-GPU case of part 1 (the cases with a target): their median is reported."""
+
 LONG_TAIL = LengthDistribution(distribution="lognormal", median=512, sigma=0.8, max=4096)
 """A long-tailed response length (median 512 tokens, a few responses at the 4,096 cap)."""
 
@@ -88,11 +91,16 @@ def main() -> None:
     print("-" * len(HEADER))
     worst = {128: 0.0, 1024: 0.0}
     for model, gpus in cases:
-        seconds, _, result = timed_search(paper_job(model, gpus))
+        # The 128-GPU cases carry a target: their median of TARGET_RUNS, since one run on a
+        # shared machine varies by +-30%.
+        runs = TARGET_RUNS if gpus == 128 and not quick else 1
+        timed = [timed_search(paper_job(model, gpus)) for _ in range(runs)]
+        seconds, result = statistics.median(t[0] for t in timed), timed[-1][2]
         print(row(model, gpus, seconds, result), flush=True)
         if gpus in worst:
             worst[gpus] = max(worst[gpus], seconds)
-    print("\nColumns: candidates = complete (placement, allocation, configs) evaluated; "
+    print(f"\nseconds: one search (128 GPUs: the median of {TARGET_RUNS}, each from cold caches).")
+    print("Columns: candidates = complete (placement, allocation, configs) evaluated; "
           "allocations = complete GPU allocations reached;\npruned = share of (partial) "
           "allocations cut by the lower bound; configs = model configs costed; cache hit = "
           "cost-model cache hits.")
@@ -119,7 +127,8 @@ def main() -> None:
     print(row("7b, 64 H100 + 64 H20", 128, mixed_seconds, result), flush=True)
 
     print("\nTargets (issue 14):")
-    print(f"  <= 1 s for every 128-GPU case of part 1: worst {worst[128]:.2f} s -> "
+    print(f"  <= 1 s for every 128-GPU case of part 1 (median of {TARGET_RUNS} runs each): worst "
+          f"{worst[128]:.2f} s -> "
           f"{'met' if worst[128] <= 1 else 'MISSED'}")
     print(f"  <= 10 s for PPO 4 x 70B, 128 GPUs, 1,000,000 sequences: {million_seconds:.2f} s "
           f"-> {'met' if million_seconds <= 10 else 'MISSED'}")

@@ -440,15 +440,17 @@ def role_configs(job: JobSpec, role: str, gpus: int,
         # (nemo_rl_tp_micro_batches): that micro-batch is tried too.
         required = job.workload.infer_micro_batch_size \
             if "nemo_rl_tp_micro_batches" in space.batch_rules and layout.tp >= 4 else None
+        # Each knob's values read the layout only: listed once, then combined.
+        batchings = _batchings(job, trained, engine, pins, options, required, variant)
+        recomputes = _recomputes(trained, engine, pins, options, variant)
+        offloads = _offloads(trained, engine, job)
+        sps = ulysses_sizes(job, role, layout, gpus)
+        groups = fsdp_group_sizes(job, role, layout, gpus)
+        cps = context_parallel_sizes(job, role, layout, gpus, variant)
         knobs = [(ep_etp, batching, recompute, offload, sp, group, cp)
                  for ep_etp in expert_layouts(job, role, layout, gpus, pins)
-                 for batching in _batchings(job, trained, engine, pins, options, required,
-                                            variant)
-                 for recompute in _recomputes(trained, engine, pins, options, variant)
-                 for offload in _offloads(trained, engine, job)
-                 for sp in ulysses_sizes(job, role, layout, gpus)
-                 for group in fsdp_group_sizes(job, role, layout, gpus)
-                 for cp in context_parallel_sizes(job, role, layout, gpus, variant)]
+                 for batching in batchings for recompute in recomputes for offload in offloads
+                 for sp in sps for group in groups for cp in cps]
         for (ep, etp), (mbs, tokens, infer_tokens), recompute, (offload_params,
                                                                  offload_optimizer), sp, \
                 group, cp in knobs:
