@@ -260,7 +260,8 @@ def test_every_validation_group_records_its_first_seen_error_and_sample_label() 
     alone = {g.group for g in groups if g.first_seen.cases_only}
     assert alone == {"verl_async_modes_h20", "megatron_bridge_moe_h100_bf16",
                      "nemo_rl_grpo_moe_h100_step", "nemo_rl_v03_refit",
-                     "hybridflow_fig15_generation_tp", "nemo_rl_v04_grpo_moe_h100_step"}
+                     "hybridflow_fig15_generation_tp", "nemo_rl_v04_grpo_moe_h100_step",
+                     "nemo_rl_v03_refit_rerun"}
     refit = next(g for g in groups if g.group == "nemo_rl_v03_refit")
     assert refit.sample_label == "out-of-sample"  # nothing changed for it since f5c51d3
     verl = next(g for g in groups if g.group == "verl_async_modes_h20")
