@@ -36,6 +36,7 @@ DEFAULT_FRAMEWORK = "verl"
 """The framework a job runs on unless it says otherwise (HybridFlow's open-source system)."""
 
 TransitionScheme = Literal["all_gpus", "train_group", "micro_dp"]
+FsdpGather = Literal["hierarchical", "dtensor_fp32"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -75,6 +76,14 @@ class TrainingSettings:
     transition_megatron: TransitionScheme = "train_group"
     """How Megatron-trained actor weights reach the rollout engine (train_group: gathered
     within the tensor x pipeline group)."""
+    transition_fsdp_gather: FsdpGather = "hierarchical"
+    """How an FSDP-trained tensor is gathered whole under ``all_gpus``. hierarchical: in the
+    training dtype, as one all-gather over the sharding group (between nodes each local rank's
+    share, then inside each node). dtensor_fp32: DTensor ``full_tensor()`` of fp32 master
+    weights, cast to the training dtype afterwards (NeMo-RL's DTensor policy): every byte
+    moves in fp32, and on a (data, tensor)-parallel mesh torch gathers the innermost mesh
+    dimension first, so the tensor-parallel ranks of a node gather first and the data-parallel
+    ranks then exchange the tensor-complete weights across nodes."""
     grad_reduce_in_fp32: bool = True
     """Megatron-style training keeps (and reduces) its main gradients in fp32; false: in the
     training dtype (half the gradient memory and traffic)."""

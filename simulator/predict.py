@@ -888,7 +888,9 @@ def _actor_transition(job: JobSpec, plan: Plan, view_of: dict[str, JobSpec],
         schemes = compare_schemes(job.model("actor"), actor_view.cluster.profile(),
                                   actor_plan.parallel, actor_plan.generation,
                                   dtype=job.workload.dtype,
-                                  gpus_per_node=actor_view.cluster.gpus_per_node)
+                                  gpus_per_node=actor_view.cluster.gpus_per_node,
+                                  fsdp_gather=job.framework_profile.training
+                                  .transition_fsdp_gather)
         return schemes[transition_scheme or transition_scheme_of(job, actor_plan)], schemes, None
     return None, {}, None
 

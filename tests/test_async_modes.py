@@ -262,8 +262,10 @@ def test_every_validation_group_records_its_first_seen_error_and_sample_label() 
                      "nemo_rl_grpo_moe_h100_step", "nemo_rl_v03_refit",
                      "hybridflow_fig15_generation_tp", "nemo_rl_v04_grpo_moe_h100_step",
                      "nemo_rl_v03_refit_rerun"}
+    fig15 = next(g for g in groups if g.group == "hybridflow_fig15_generation_tp")
+    assert fig15.sample_label == "out-of-sample"  # nothing changed for it since bf05c98
     refit = next(g for g in groups if g.group == "nemo_rl_v03_refit")
-    assert refit.sample_label == "out-of-sample"  # nothing changed for it since f5c51d3
+    assert refit.sample_label == "in-sample"  # the DTensor refit's fp32 gather moved it
     verl = next(g for g in groups if g.group == "verl_async_modes_h20")
     assert verl.sample_label == "in-sample"  # the kl: none change moved it
     unchanged = replace(verl, mean_abs_error_pct=verl.first_seen.mean_abs_error_pct,

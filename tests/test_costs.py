@@ -52,6 +52,45 @@ def test_no_transition_when_layouts_match() -> None:
     assert cost.bytes_received_per_gpu == 0 and cost.seconds == 0
 
 
+def test_dtensor_fp32_refit_gathers_tp_first_then_the_whole_fp32_tensor_across_nodes() -> None:
+    """NeMo-RL's DTensor refit: full_tensor() of fp32 shards on a (dp, tp) mesh gathers the
+    tensor-parallel ranks first, so each GPU then receives (dp-1)/dp of every fp32 tensor over
+    its own NIC; the hierarchical gather sends only each local rank's 1/k share between
+    nodes, in bf16."""
+    h100 = load_profile("h100-80gb")
+    model = MODEL_PRESETS["llama3-70b"]
+    train = ParallelConfig(tp=8, dp=8, sharding="fsdp")
+    gen = GenerationConfig(tp=4)
+    dtensor = transition(model, h100, train, gen, scheme="all_gpus", fsdp_gather="dtensor_fp32")
+    hierarchical = transition(model, h100, train, gen, scheme="all_gpus")
+    fp32_bytes = model.params() * 4
+    assert dtensor.bytes_received_per_gpu == pytest.approx(63 / 64 * fp32_bytes)
+    assert hierarchical.bytes_received_per_gpu == pytest.approx(63 / 64 * fp32_bytes / 2)
+    nic_floor_seconds = 7 / 8 * fp32_bytes / h100.inter_node.bandwidth_bytes_per_s
+    assert dtensor.seconds >= nic_floor_seconds
+    assert dtensor.seconds <= 1.3 * nic_floor_seconds  # plus NVLink and per-call latency
+    assert hierarchical.seconds < nic_floor_seconds / 3
+    # Inside one node without tensor parallelism: the same all-gather, twice the bytes.
+    one_node = ParallelConfig(tp=1, dp=8, sharding="fsdp")
+    fp32 = transition(model, h100, one_node, GenerationConfig(tp=1), scheme="all_gpus",
+                      fsdp_gather="dtensor_fp32")
+    bf16 = transition(model, h100, one_node, GenerationConfig(tp=1), scheme="all_gpus")
+    assert fp32.seconds == pytest.approx(2 * bf16.seconds, rel=0.1)
+    # Megatron layouts and the other schemes do not gather through DTensor.
+    megatron = ParallelConfig(tp=8, dp=8)
+    assert transition(model, h100, megatron, gen, scheme="all_gpus",
+                      fsdp_gather="dtensor_fp32") == transition(model, h100, megatron, gen,
+                                                                 scheme="all_gpus")
+
+
+def test_only_nemo_rl_refits_fsdp_weights_through_dtensor_fp32() -> None:
+    from profiles.framework import load_framework
+
+    assert load_framework("nemo-rl").training.transition_fsdp_gather == "dtensor_fp32"
+    assert load_framework("nemo-rl-0.5").training.transition_fsdp_gather == "dtensor_fp32"
+    assert load_framework("verl").training.transition_fsdp_gather == "hierarchical"
+
+
 # --- training -----------------------------------------------------------------------------
 
 def test_activation_memory_matches_korthikanti_formula() -> None:

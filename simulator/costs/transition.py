@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
+from profiles.framework import FsdpGather
 from simulator.costs.primitives import Span, all_gather_seconds, group_span
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
@@ -120,12 +121,57 @@ def micro_dp_span(train: ParallelConfig, gen: GenerationConfig, gpus_per_node: i
                 gpus_per_node=gpus_per_node)
 
 
+def dtensor_full_tensor_seconds(model: ModelSpec, profile: DeviceProfile,
+                                train: ParallelConfig, *, gpus_per_node: int) -> float:
+    """Seconds to gather every weight tensor whole on every GPU of an FSDP (DTensor) layout by
+    ``full_tensor()`` of its fp32 shards, tensor by tensor. On a (data, tensor)-parallel mesh
+    torch's redistribute gathers the innermost mesh dimension first ("we first traverse from
+    inner placement to outer placement", torch/distributed/tensor/_redistribute.py, torch
+    2.5-2.7): a tensor that tensor parallelism splits is gathered over its tp ranks (inside a
+    node), then over the data-parallel ranks, tp ranks apart, as the tp-complete tensor; one
+    it leaves whole (a norm) over the data-parallel ranks only. Without tensor parallelism, one
+    all-gather over the sharding group."""
+    shards, tp = train.weight_shards, train.tp
+    busy = train.world_size
+    fp32 = DTYPE_BYTES["fp32"]
+    every = weight_tensors(model)
+    if tp <= 1:
+        span = group_span(shards, 1, gpus_per_node, busy_ranks_per_node=busy)
+        return sum(count * all_gather_seconds(profile, elements * fp32, shards, span=span)
+                   for elements, count in every.items())
+    dp = max(1, shards // tp)
+    tp_span = group_span(tp, 1, gpus_per_node, busy_ranks_per_node=busy)
+    dp_span = group_span(dp, tp, gpus_per_node, busy_ranks_per_node=busy)
+    split = weight_tensors(model, replicated=False)
+    seconds = 0.0
+    for elements, count in every.items():
+        whole_bytes = elements * fp32
+        across_dp = all_gather_seconds(profile, whole_bytes, dp, span=dp_span)
+        split_count = split.get(elements, 0)
+        seconds += split_count * (all_gather_seconds(profile, whole_bytes / dp, tp, span=tp_span)
+                                  + across_dp)
+        seconds += (count - split_count) * across_dp
+    return seconds
+
+
 def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
                gen: GenerationConfig, *, scheme: Scheme = "micro_dp", dtype: str = "bf16",
-               gpus_per_node: int = 8) -> TransitionCost:
+               gpus_per_node: int = 8, fsdp_gather: FsdpGather = "hierarchical",
+               ) -> TransitionCost:
     """Cost of one train -> generate transition of the actor under ``scheme``. An MoE model's
     routed experts are gathered on their own: sharded over ep x etp (x pp) in training and over
-    max(tp, ep) (x pp) in generation."""
+    max(tp, ep) (x pp) in generation. ``fsdp_gather``: how an FSDP layout gathers each tensor
+    under ``all_gpus`` (``TrainingSettings.transition_fsdp_gather``)."""
+    if scheme == "all_gpus" and train.sharding == "fsdp" and fsdp_gather == "dtensor_fp32":
+        weights = model.params() * DTYPE_BYTES[dtype]
+        shards = train.weight_shards
+        return TransitionCost(
+            scheme=scheme,
+            seconds=dtensor_full_tensor_seconds(model, profile, train,
+                                                gpus_per_node=gpus_per_node),
+            bytes_received_per_gpu=(shards - 1) / shards * model.params() * DTYPE_BYTES["fp32"],
+            peak_param_bytes_per_gpu=weights, redundant_bytes_per_gpu=weights / shards,
+            group_size=shards)
     weights = model.params() * DTYPE_BYTES[dtype]
     expert_weights = model.expert_params() * DTYPE_BYTES[dtype]
     dense_weights = weights - expert_weights
@@ -189,8 +235,9 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
 
 
 def compare_schemes(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
-                    gen: GenerationConfig, *, dtype: str = "bf16",
-                    gpus_per_node: int = 8) -> dict[str, TransitionCost]:
+                    gen: GenerationConfig, *, dtype: str = "bf16", gpus_per_node: int = 8,
+                    fsdp_gather: FsdpGather = "hierarchical") -> dict[str, TransitionCost]:
     """All three schemes side by side."""
     return {s: transition(model, profile, train, gen, scheme=s, dtype=dtype,
-                          gpus_per_node=gpus_per_node) for s in SCHEMES}
+                          gpus_per_node=gpus_per_node, fsdp_gather=fsdp_gather)
+            for s in SCHEMES}
