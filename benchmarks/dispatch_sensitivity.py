@@ -1,10 +1,11 @@
 """How the NeMo-RL whole-step validation depends on the driver's pickling rate (the README's
 table under "Whole GRPO steps"): ``python benchmarks/dispatch_sensitivity.py``.
 
-Re-runs the two NeMo-RL dense groups of ``simulator/data/validation_cases.yaml`` with the
-``nemo-rl-0.5`` profile's ``controller.serialize_bytes_per_s`` scaled, and with the dispatch
-unpriced, and prints each group's median |error| and the 70B case's training and log-prob
-stages. Prints; never asserts."""
+Re-runs the two NeMo-RL dense groups of ``simulator/data/validation_cases.yaml``, each case
+under its own profile (``nemo-rl-0.3`` or ``nemo-rl-0.5``, whose rates are the same) with
+``controller.serialize_bytes_per_s`` scaled, and with the dispatch unpriced, and prints each
+group's median |error| and the 70B case's training and log-prob stages. Prints; never
+asserts."""
 
 from __future__ import annotations
 
@@ -31,16 +32,22 @@ def main() -> None:
         print(f"{'rate GB/s':>10} {'v0.3 median':>12} {'v0.4/5 median':>14}   "
               "70B training / log-probs (measured 28 / 18 s)")
         for factor in FACTORS:
-            profile = folder / f"rate-{factor}.yaml"
             controller = ({"infer_input_bytes_per_token": 0, "train_input_bytes_per_token": 0,
                            "infer_output_bytes_per_token": 0} if factor is None
                           else {"serialize_bytes_per_s": shipped * factor})
-            profile.write_text(yaml.safe_dump({"base": "nemo-rl-0.5", "name": profile.stem,
-                                               "controller": controller}))
+
+            def scaled(base: str, factor: float | None = factor,
+                       controller: dict = controller) -> str:
+                profile = folder / f"rate-{factor}-{base}.yaml"
+                profile.write_text(yaml.safe_dump({"base": base, "name": profile.stem,
+                                                   "controller": controller}))
+                return str(profile)
+
             groups = {}
             for group in GROUPS:
                 spec = dict(data[group])
-                spec["cases"] = [{**case, "job": {**case["job"], "framework": str(profile)}}
+                spec["cases"] = [{**case, "job": {**case["job"],
+                                                  "framework": scaled(case["job"]["framework"])}}
                                  for case in spec["cases"]]
                 groups[group] = spec
             cases = folder / "cases.yaml"

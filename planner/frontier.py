@@ -152,9 +152,11 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
             key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, par.fsdp_size,
                    gen, scheme)
             if key not in switches:
+                training = job.framework_profile.training
                 switches[key] = transition(
                     model, profile, par, gen, dtype=dtype, gpus_per_node=gpn, scheme=scheme,
-                    fsdp_gather=job.framework_profile.training.transition_fsdp_gather).seconds
+                    fsdp_gather=training.transition_fsdp_gather,
+                    megatron_gather=training.transition_megatron_gather).seconds
             switch = switches[key]
         if plan.parallel not in offloads:
             offloads[plan.parallel] = offload_state(job, role, plan.parallel)

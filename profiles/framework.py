@@ -37,6 +37,7 @@ DEFAULT_FRAMEWORK = "verl"
 
 TransitionScheme = Literal["all_gpus", "train_group", "micro_dp"]
 FsdpGather = Literal["hierarchical", "dtensor_fp32"]
+MegatronGather = Literal["hierarchical", "tp_then_pp_broadcast"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -76,6 +77,13 @@ class TrainingSettings:
     transition_megatron: TransitionScheme = "train_group"
     """How Megatron-trained actor weights reach the rollout engine (train_group: gathered
     within the tensor x pipeline group)."""
+    transition_megatron_gather: MegatronGather = "hierarchical"
+    """How a Megatron-trained tensor is gathered whole under ``train_group``. hierarchical:
+    one all-gather over the tensor x pipeline group (between nodes each local rank's share,
+    then inside each node). tp_then_pp_broadcast: tensor by tensor, an all-gather over the
+    stage's tensor-parallel ranks, then a broadcast of the tp-complete tensor from its stage
+    to the other stages (NeMo-RL v0.3's refit): pipeline stages are tp x dp ranks apart, so
+    across nodes every GPU receives the other stages' whole tensors over its own NIC."""
     transition_fsdp_gather: FsdpGather = "hierarchical"
     """How an FSDP-trained tensor is gathered whole under ``all_gpus``. hierarchical: in the
     training dtype, as one all-gather over the sharding group (between nodes each local rank's

@@ -885,12 +885,13 @@ def _actor_transition(job: JobSpec, plan: Plan, view_of: dict[str, JobSpec],
     if actor_plan is not None and actor_plan.generation is not None \
             and not job.generation_elsewhere:
         actor_view = view_of["actor"]
+        training = job.framework_profile.training
         schemes = compare_schemes(job.model("actor"), actor_view.cluster.profile(),
                                   actor_plan.parallel, actor_plan.generation,
                                   dtype=job.workload.dtype,
                                   gpus_per_node=actor_view.cluster.gpus_per_node,
-                                  fsdp_gather=job.framework_profile.training
-                                  .transition_fsdp_gather)
+                                  fsdp_gather=training.transition_fsdp_gather,
+                                  megatron_gather=training.transition_megatron_gather)
         return schemes[transition_scheme or transition_scheme_of(job, actor_plan)], schemes, None
     return None, {}, None
 

@@ -83,6 +83,47 @@ def test_dtensor_fp32_refit_gathers_tp_first_then_the_whole_fp32_tensor_across_n
                                                                  scheme="all_gpus")
 
 
+def test_nemo_rl_v03_megatron_refit_broadcasts_tp_complete_tensors_over_the_pipeline() -> None:
+    """v0.3's gather_params: each tensor all-gathered over its tensor-parallel ranks, then
+    broadcast whole from its stage to the others; stages sit tp x dp ranks apart (on other
+    nodes here), so every GPU receives every other stage's whole tensors over its NIC."""
+    from simulator.costs.primitives import broadcast_seconds, group_span
+
+    h100 = load_profile("h100-80gb")
+    model = MODEL_PRESETS["llama3-70b"]
+    train = ParallelConfig(tp=4, pp=4, dp=4)  # 64 GPUs; a stage is 16 ranks, two nodes
+    gen = GenerationConfig(tp=4)
+    v03 = transition(model, h100, train, gen, scheme="train_group",
+                     megatron_gather="tp_then_pp_broadcast")
+    hierarchical = transition(model, h100, train, gen, scheme="train_group")
+    assert v03.bytes_received_per_gpu == hierarchical.bytes_received_per_gpu
+    model_bytes = model.params() * 2
+    nic_floor_seconds = model_bytes / h100.inter_node.bandwidth_bytes_per_s
+    assert nic_floor_seconds <= v03.seconds <= 1.3 * nic_floor_seconds
+    assert hierarchical.seconds < nic_floor_seconds / 2
+    # Without pipeline stages nothing is broadcast: the same gather inside the node.
+    one_stage = ParallelConfig(tp=8, pp=1, dp=8)
+    assert transition(model, h100, one_stage, gen, scheme="train_group",
+                      megatron_gather="tp_then_pp_broadcast").seconds == pytest.approx(
+        transition(model, h100, one_stage, gen, scheme="train_group").seconds, rel=0.05)
+    # A broadcast delivers the whole message to every rank: inside a node at NVLink speed,
+    # across nodes at the rank's NIC share.
+    one_gb = 1e9
+    across = broadcast_seconds(h100, one_gb, 4, span=group_span(4, 16, 8, busy_ranks_per_node=8))
+    inside = broadcast_seconds(h100, one_gb, 4, span=group_span(4, 1, 8))
+    assert across >= one_gb / h100.inter_node.bandwidth_bytes_per_s > inside
+    assert broadcast_seconds(h100, one_gb, 1) == 0
+
+
+def test_only_nemo_rl_v03_refits_megatron_weights_stage_by_stage() -> None:
+    from profiles.framework import load_framework
+
+    assert load_framework("nemo-rl-0.3").training.transition_megatron_gather \
+        == "tp_then_pp_broadcast"
+    for later in ("nemo-rl-0.5", "nemo-rl", "verl"):
+        assert load_framework(later).training.transition_megatron_gather == "hierarchical"
+
+
 def test_only_nemo_rl_refits_fsdp_weights_through_dtensor_fp32() -> None:
     from profiles.framework import load_framework
 

@@ -172,6 +172,22 @@ def reduce_scatter_seconds(profile: DeviceProfile, input_bytes: float, group: in
                               correction=correction)
 
 
+def broadcast_seconds(profile: DeviceProfile, message_bytes: float, group: int, *,
+                      span: Span | None = None, correction: str = "collective") -> float:
+    """Broadcast of a ``message_bytes`` tensor from one rank to the rest of ``group``. NCCL
+    pipelines it along a ring, so every rank receives the whole tensor once (nccl-tests'
+    bus bandwidth of a broadcast is its algorithm bandwidth): over NVLink inside a node, over
+    the rank's share of the NICs when the group spans nodes, plus one link latency per hop."""
+    if group <= 1 or message_bytes <= 0:
+        return 0.0
+    span = span or WITHIN_NODE
+    if not span.crosses_nodes:
+        seconds = _intra_seconds(profile, message_bytes, message_bytes)
+    else:
+        seconds = _inter_seconds(profile, message_bytes, message_bytes, group - 1, span)
+    return seconds * profile.correction(correction)
+
+
 def all_to_all_seconds(profile: DeviceProfile, send_bytes: float, group: int, *,
                        span: Span | None = None, correction: str = "collective") -> float:
     """All-to-all where each of ``group`` devices sends ``send_bytes`` split evenly over the

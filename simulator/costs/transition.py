@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from profiles.device import DTYPE_BYTES, DeviceProfile
-from profiles.framework import FsdpGather
-from simulator.costs.primitives import Span, all_gather_seconds, group_span
+from profiles.framework import FsdpGather, MegatronGather
+from simulator.costs.primitives import Span, all_gather_seconds, broadcast_seconds, group_span
 from simulator.specs.model import ModelSpec
 from simulator.specs.parallel import GenerationConfig, ParallelConfig
 
@@ -154,14 +154,37 @@ def dtensor_full_tensor_seconds(model: ModelSpec, profile: DeviceProfile,
     return seconds
 
 
+def tp_then_pp_broadcast_seconds(model: ModelSpec, profile: DeviceProfile,
+                                 train: ParallelConfig, *, dtype: str,
+                                 gpus_per_node: int) -> float:
+    """Seconds to gather every dense weight tensor of a Megatron layout whole on every GPU of
+    its tensor x pipeline group, tensor by tensor, as NeMo-RL v0.3's refit does
+    (nemo_rl/models/megatron/refit_utils.py gather_params at v0.3.0: an all-gather over the
+    tensor-parallel ranks, L114, then a broadcast from the owning stage over the pipeline
+    group, L127, for every key): the tensor-parallel ranks of a stage sit side by side, its
+    pipeline peers tp x dp ranks apart. A tensor tensor parallelism leaves whole (a norm) is
+    only broadcast."""
+    size = DTYPE_BYTES[dtype]
+    busy = train.world_size
+    tp_span = group_span(train.tp, 1, gpus_per_node, busy_ranks_per_node=busy)
+    pp_span = group_span(train.pp, train.tp * train.dp, gpus_per_node, busy_ranks_per_node=busy)
+    seconds = sum(count * broadcast_seconds(profile, elements * size, train.pp, span=pp_span)
+                  for elements, count in weight_tensors(model, part="dense").items())
+    return seconds + sum(
+        count * all_gather_seconds(profile, elements * size, train.tp, span=tp_span)
+        for elements, count in weight_tensors(model, replicated=False, part="dense").items())
+
+
 def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
                gen: GenerationConfig, *, scheme: Scheme = "micro_dp", dtype: str = "bf16",
                gpus_per_node: int = 8, fsdp_gather: FsdpGather = "hierarchical",
-               ) -> TransitionCost:
+               megatron_gather: MegatronGather = "hierarchical") -> TransitionCost:
     """Cost of one train -> generate transition of the actor under ``scheme``. An MoE model's
     routed experts are gathered on their own: sharded over ep x etp (x pp) in training and over
     max(tp, ep) (x pp) in generation. ``fsdp_gather``: how an FSDP layout gathers each tensor
-    under ``all_gpus`` (``TrainingSettings.transition_fsdp_gather``)."""
+    under ``all_gpus`` (``TrainingSettings.transition_fsdp_gather``); ``megatron_gather``: how
+    a Megatron layout gathers its dense tensors under ``train_group``
+    (``TrainingSettings.transition_megatron_gather``)."""
     if scheme == "all_gpus" and train.sharding == "fsdp" and fsdp_gather == "dtensor_fp32":
         weights = model.params() * DTYPE_BYTES[dtype]
         shards = train.weight_shards
@@ -205,7 +228,11 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
         redundant = 0.0
     seconds = 0.0
     dense_volume = volume - expert_volume
-    if dense_volume > 0 and group > 1:
+    if scheme == "train_group" and train.sharding != "fsdp" \
+            and megatron_gather == "tp_then_pp_broadcast":
+        seconds = tp_then_pp_broadcast_seconds(model, profile, train, dtype=dtype,
+                                               gpus_per_node=gpus_per_node)
+    elif dense_volume > 0 and group > 1:
         # One all-gather per weight tensor (engines gather tensor by tensor), each moving its
         # share of the volume: gathering V over a group of n outputs V / ((n-1)/n) bytes.
         fraction = dense_volume / dense_weights
@@ -236,8 +263,11 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
 
 def compare_schemes(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
                     gen: GenerationConfig, *, dtype: str = "bf16", gpus_per_node: int = 8,
-                    fsdp_gather: FsdpGather = "hierarchical") -> dict[str, TransitionCost]:
+                    fsdp_gather: FsdpGather = "hierarchical",
+                    megatron_gather: MegatronGather = "hierarchical",
+                    ) -> dict[str, TransitionCost]:
     """All three schemes side by side."""
     return {s: transition(model, profile, train, gen, scheme=s, dtype=dtype,
-                          gpus_per_node=gpus_per_node, fsdp_gather=fsdp_gather)
+                          gpus_per_node=gpus_per_node, fsdp_gather=fsdp_gather,
+                          megatron_gather=megatron_gather)
             for s in SCHEMES}
