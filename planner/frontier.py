@@ -53,6 +53,10 @@ from simulator.specs.parallel import GenerationConfig
 EPSILON = 1e-12
 SWEEP_ROWS = 256
 """Rows above which ``pareto_mask`` drops what the least-sum row dominates before sorting."""
+SWEEP_BLOCK = 64
+"""Live rows ``_sweep`` settles together before dropping what they dominate."""
+BLOCK_CELLS = 4_000_000
+"""Most comparisons ``_sweep`` makes in one array operation."""
 MATRIX_LIMIT = 1_000_000
 """Largest rows x rows x columns for which ``pareto_mask(all_pairs=True)`` compares all
 pairs at once."""
@@ -298,28 +302,58 @@ def _sweep(values: np.ndarray, ranks: np.ndarray | None,
         group_end = np.append(starts, n)[np.searchsorted(starts, np.arange(n), side="right")]
     settled = 0  # positions before this have their final order
     i = 0
-    while True:
-        if group_end is not None and i >= settled:
-            end = int(group_end[i])
-            if end - i > 1:
-                members = i + np.flatnonzero(alive[i:end])
-                if len(members) > 1:
-                    rows = order[members]
-                    by_rank = np.lexsort((rows, _ranks(key_of(rows))))
-                    order[members] = rows[by_rank]
-                    ordered[members] = ordered[members][by_rank]
-                    limits[members] = limits[members][by_rank]
-            settled = end
-        alive[i + 1:] &= ~(ordered[i] <= limits[i + 1:]).all(axis=1)
-        if i + 1 >= n:
+    while i < n:
+        # The next live rows, a block at a time: which of them survive is settled among
+        # themselves in order, then the survivors drop every later row they dominate at once.
+        block = i + np.flatnonzero(alive[i:])[:SWEEP_BLOCK]
+        if not len(block):
             break
-        step = int(alive[i + 1:].argmax())
-        if not alive[i + 1 + step]:
+        if group_end is not None:
+            for position in block:
+                if position >= settled:
+                    end = int(group_end[position])
+                    if end - position > 1:
+                        _rank_equal_sums(position + np.flatnonzero(alive[position:end]),
+                                         order, ordered, limits, key_of)
+                    settled = end
+        rows = ordered[block]
+        dominates = (rows[:, None, :] <= limits[block][None, :, :]).all(axis=2)
+        kept = np.ones(len(block), dtype=bool)
+        for a in range(len(block)):
+            if kept[a]:
+                kept[a + 1:] &= ~dominates[a, a + 1:]
+        alive[block] = kept
+        after = int(block[-1]) + 1
+        if after >= n:
             break
-        i += 1 + step
+        survivors = rows[kept]
+        live = after + np.flatnonzero(alive[after:])
+        columns = limits[live].T.copy()  # one contiguous row per column of the values
+        step = max(1, BLOCK_CELLS // max(1, len(live)))
+        for start in range(0, len(survivors), step):
+            chunk = survivors[start:start + step]
+            dominated = chunk[:, :1] <= columns[0]
+            for column in range(1, columns.shape[0]):
+                dominated &= chunk[:, column:column + 1] <= columns[column]
+            alive[live[dominated.any(axis=0)]] = False
+        i = after
     mask = np.zeros(n, dtype=bool)
     mask[order[alive]] = True
     return mask
+
+
+def _rank_equal_sums(members: np.ndarray, order: np.ndarray, ordered: np.ndarray,
+                     limits: np.ndarray, key_of: Callable[[np.ndarray], list]) -> None:
+    """Put the live ``members`` of a run of equal sums in (key, row) order, in place. The
+    order is total, so ranking a run before some of its members are dropped keeps the
+    survivors' order."""
+    if len(members) <= 1:
+        return
+    rows = order[members]
+    by_rank = np.lexsort((rows, _ranks(key_of(rows))))
+    order[members] = rows[by_rank]
+    ordered[members] = ordered[members][by_rank]
+    limits[members] = limits[members][by_rank]
 
 
 def _pareto_by_matrix(ordered: np.ndarray, limits: np.ndarray,

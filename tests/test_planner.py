@@ -118,6 +118,37 @@ def test_dropping_rows_a_leader_dominates_keeps_the_same_frontier() -> None:
         assert sorted(full) == sorted(reduced), trial
 
 
+def test_pareto_mask_keeps_what_a_row_by_row_sweep_keeps() -> None:
+    """The sweep settles its live rows a block at a time: it must keep exactly the rows a
+    plain sweep keeps, visiting rows by (sum, key, row) and dropping every later row within
+    EPSILON of one it keeps; many survivors (anti-correlated columns) span many blocks and
+    equal sums (rounded values) make the keys decide ties."""
+    import numpy as np
+
+    from planner.frontier import EPSILON, SWEEP_BLOCK, pareto_mask
+
+    def plain_sweep(rows: np.ndarray, keys: list) -> set[int]:
+        sums = rows.sum(axis=1)
+        order = sorted(range(len(rows)), key=lambda r: (sums[r], keys[r], r))
+        kept: list[int] = []
+        for r in order:
+            if not kept or not (rows[kept] <= rows[r] + EPSILON).all(axis=1).any():
+                kept.append(r)
+        return set(kept)
+
+    rng = np.random.default_rng(11)
+    for trial in range(4):
+        a, b = np.round(rng.random(900), 2), np.round(rng.random(900), 2)
+        rows = np.column_stack([a, b, np.round(2 - a - b + rng.random(900) / 20, 2)])
+        keys = [int(k) for k in rng.integers(0, 50, len(rows))]
+        expected = plain_sweep(rows, keys)
+        assert len(expected) > 3 * SWEEP_BLOCK  # the sweep runs over several blocks
+        for all_pairs in (False, True):
+            kept = pareto_mask(rows, key_of=lambda picked: [keys[i] for i in picked],
+                               all_pairs=all_pairs)
+            assert set(np.flatnonzero(kept)) == expected, (trial, all_pairs)
+
+
 def test_placements_are_bell_numbers() -> None:
     assert len(placements(("actor", "critic", "ref", "reward"))) == 15
     assert len(placements(("actor", "critic", "ref", "reward", "cost"))) == 52
