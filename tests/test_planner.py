@@ -144,7 +144,7 @@ def test_pareto_mask_keeps_what_a_row_by_row_sweep_keeps() -> None:
         expected = plain_sweep(rows, keys)
         assert len(expected) > 3 * SWEEP_BLOCK  # the sweep runs over several blocks
         for all_pairs in (False, True):
-            kept = pareto_mask(rows, key_of=lambda picked: [keys[i] for i in picked],
+            kept = pareto_mask(rows, key_of=lambda picked, keys=keys: [keys[i] for i in picked],
                                all_pairs=all_pairs)
             assert set(np.flatnonzero(kept)) == expected, (trial, all_pairs)
 
