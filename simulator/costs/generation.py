@@ -748,34 +748,43 @@ def _decode_exact(step_model: DecodeStepModel, profile: DeviceProfile, dtype: st
                   lengths: tuple[int, ...], *, prompt_len: int, cap: int, cuda_graphs: bool,
                   host_seconds_per_sequence: float) -> tuple[float, int, float]:
     """The event loop: between two finishes every running sequence decodes one token per
-    step, so the steps in between are priced at once (at their middle step's KV cache)."""
+    step, so the steps in between are priced at once (at their middle step's KV cache).
+    Consecutive responses of one length admitted at one step finish together, so they run
+    as one entry of the heap (finish step, admission step, how many)."""
     pricer = StepPricer(step_model, profile, dtype, cuda_graphs, host_seconds_per_sequence)
     n = len(lengths)
-    running: list[tuple[int, int]] = []
+    running: list[tuple[int, int, int]] = []
+    running_count = 0
     admitted_sum = 0
     next_index = 0
     step = 0
     seconds = 0.0
     peak_kv_tokens = 0.0
-    while next_index < n and len(running) < cap:
-        heapq.heappush(running, (lengths[next_index], 0))
-        next_index += 1
-    while running:
+    while True:
+        while next_index < n and running_count < cap:
+            length = lengths[next_index]
+            end = next_index + 1
+            last = min(n, next_index + cap - running_count)
+            while end < last and lengths[end] == length:
+                end += 1
+            count = end - next_index
+            heapq.heappush(running, (step + length, step, count))
+            running_count += count
+            admitted_sum += step * count
+            next_index = end
+        if not running:
+            return seconds, step, peak_kv_tokens
         finish = running[0][0]
         if finish > step:
-            interval, kv_end = pricer.interval(len(running), admitted_sum, prompt_len, step,
+            interval, kv_end = pricer.interval(running_count, admitted_sum, prompt_len, step,
                                                finish)
             seconds += interval
             peak_kv_tokens = max(peak_kv_tokens, kv_end)
         step = finish
         while running and running[0][0] == finish:
-            _, admitted = heapq.heappop(running)
-            admitted_sum -= admitted
-        while next_index < n and len(running) < cap:
-            heapq.heappush(running, (step + lengths[next_index], step))
-            admitted_sum += step
-            next_index += 1
-    return seconds, step, peak_kv_tokens
+            _, admitted, count = heapq.heappop(running)
+            running_count -= count
+            admitted_sum -= admitted * count
 
 
 def _decode_fluid(step_model: DecodeStepModel, profile: DeviceProfile, dtype: str,
