@@ -88,10 +88,10 @@ class TrainingSettings:
     """How an FSDP-trained tensor is gathered whole under ``all_gpus``. hierarchical: in the
     training dtype, as one all-gather over the sharding group (between nodes each local rank's
     share, then inside each node). dtensor_fp32: DTensor ``full_tensor()`` of fp32 master
-    weights, cast to the training dtype afterwards (NeMo-RL's DTensor policy): every byte
-    moves in fp32, and on a (data, tensor)-parallel mesh torch gathers the innermost mesh
-    dimension first, so the tensor-parallel ranks of a node gather first and the data-parallel
-    ranks then exchange the tensor-complete weights across nodes."""
+    weights, cast to the training dtype afterwards (NeMo-RL's DTensor policy, verl's FSDP
+    actor): every byte moves in fp32, and on a (data, tensor)-parallel mesh torch gathers the
+    innermost mesh dimension first, so the tensor-parallel ranks of a node gather first and
+    the data-parallel ranks then exchange the tensor-complete weights across nodes."""
     grad_reduce_in_fp32: bool = True
     """Megatron-style training keeps (and reduces) its main gradients in fp32; false: in the
     training dtype (half the gradient memory and traffic)."""

@@ -124,12 +124,14 @@ def test_only_nemo_rl_v03_refits_megatron_weights_stage_by_stage() -> None:
         assert load_framework(later).training.transition_megatron_gather == "hierarchical"
 
 
-def test_only_nemo_rl_refits_fsdp_weights_through_dtensor_fp32() -> None:
+def test_torch_fsdp_frameworks_refit_through_dtensor_fp32() -> None:
+    """NeMo-RL's DTensor policy and verl's FSDP actor keep fp32 weights and gather them with
+    full_tensor(); OpenRLHF's DeepSpeed ZeRO-3 gathers its bf16 parameters."""
     from profiles.framework import load_framework
 
-    assert load_framework("nemo-rl").training.transition_fsdp_gather == "dtensor_fp32"
-    assert load_framework("nemo-rl-0.5").training.transition_fsdp_gather == "dtensor_fp32"
-    assert load_framework("verl").training.transition_fsdp_gather == "hierarchical"
+    for name in ("nemo-rl", "nemo-rl-0.5", "nemo-rl-0.3", "verl"):
+        assert load_framework(name).training.transition_fsdp_gather == "dtensor_fp32", name
+    assert load_framework("openrlhf").training.transition_fsdp_gather == "hierarchical"
 
 
 # --- training -----------------------------------------------------------------------------
