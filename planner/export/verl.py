@@ -169,11 +169,15 @@ def _training_settings(role: str, rp: RolePlan, engine: str, prefix: str, model_
             recompute = "full"
         fsdp = f"{prefix}.fsdp_config" if role == "actor" else f"{prefix}.fsdp"
         sequence = f"{prefix}.ulysses_sequence_parallel_size={par.ulysses}"
+        # The price gathers the actor's weights for the rollout in fp32, its master dtype
+        # (the verl profile's transition_fsdp_gather: dtensor_fp32).
+        dtype = [f"{fsdp}.model_dtype=fp32"] if role == "actor" else []
         return [f"{model_prefix}.enable_gradient_checkpointing={_bool(recompute != 'none')}",
                 f"{model_prefix}.use_remove_padding=true",
                 *_token_budgets(role, par, prefix), sequence,
                 f"{fsdp}.param_offload={_bool(par.offload_params or offload.params)}",
-                f"{fsdp}.optimizer_offload={_bool(par.offload_optimizer or offload.optimizer)}"]
+                f"{fsdp}.optimizer_offload={_bool(par.offload_optimizer or offload.optimizer)}",
+                *dtype]
     override = f"{prefix}.megatron.override_transformer_config"
     recompute = {
         "none": [f"{override}.recompute_granularity=null"],
