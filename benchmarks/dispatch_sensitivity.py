@@ -35,19 +35,18 @@ def main() -> None:
             controller = ({"infer_input_bytes_per_token": 0, "train_input_bytes_per_token": 0,
                            "infer_output_bytes_per_token": 0} if factor is None
                           else {"serialize_bytes_per_s": shipped * factor})
-
-            def scaled(base: str, factor: float | None = factor,
-                       controller: dict = controller) -> str:
+            scaled: dict[str, str] = {}  # each case's profile -> its scaled copy
+            for base in {case["job"]["framework"] for group in GROUPS
+                         for case in data[group]["cases"]}:
                 profile = folder / f"rate-{factor}-{base}.yaml"
                 profile.write_text(yaml.safe_dump({"base": base, "name": profile.stem,
                                                    "controller": controller}))
-                return str(profile)
-
+                scaled[base] = str(profile)
             groups = {}
             for group in GROUPS:
                 spec = dict(data[group])
                 spec["cases"] = [{**case, "job": {**case["job"],
-                                                  "framework": scaled(case["job"]["framework"])}}
+                                                  "framework": scaled[case["job"]["framework"]]}}
                                  for case in spec["cases"]]
                 groups[group] = spec
             cases = folder / "cases.yaml"

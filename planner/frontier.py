@@ -127,6 +127,7 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
     by_layout: dict = {}
     offloads: dict = {}
     switches: dict = {}
+    training = job.framework_profile.training
     forwards: dict = {}
     engine_bytes: dict[GenerationConfig, float] = {}
     for plan in plans:
@@ -156,7 +157,6 @@ def evaluate_role(job: JobSpec, role: str, plans: Sequence[RolePlan],
             key = (par.tp, par.pp, par.dp, par.ep, par.etp, par.sharding, par.fsdp_size,
                    gen, scheme)
             if key not in switches:
-                training = job.framework_profile.training
                 switches[key] = transition(
                     model, profile, par, gen, dtype=dtype, gpus_per_node=gpn, scheme=scheme,
                     fsdp_gather=training.transition_fsdp_gather,
@@ -326,8 +326,10 @@ def _sweep(values: np.ndarray, ranks: np.ndarray | None,
         after = int(block[-1]) + 1
         if after >= n:
             break
-        survivors = rows[kept]
         live = after + np.flatnonzero(alive[after:])
+        if not len(live):
+            break
+        survivors = rows[kept]
         columns = limits[live].T.copy()  # one contiguous row per column of the values
         step = max(1, BLOCK_CELLS // max(1, len(live)))
         for start in range(0, len(survivors), step):

@@ -185,8 +185,8 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
     under ``all_gpus`` (``TrainingSettings.transition_fsdp_gather``); ``megatron_gather``: how
     a Megatron layout gathers its dense tensors under ``train_group``
     (``TrainingSettings.transition_megatron_gather``)."""
+    weights = model.params() * DTYPE_BYTES[dtype]
     if scheme == "all_gpus" and train.sharding == "fsdp" and fsdp_gather == "dtensor_fp32":
-        weights = model.params() * DTYPE_BYTES[dtype]
         shards = train.weight_shards
         return TransitionCost(
             scheme=scheme,
@@ -195,7 +195,6 @@ def transition(model: ModelSpec, profile: DeviceProfile, train: ParallelConfig,
             bytes_received_per_gpu=(shards - 1) / shards * model.params() * DTYPE_BYTES["fp32"],
             peak_param_bytes_per_gpu=weights, redundant_bytes_per_gpu=weights / shards,
             group_size=shards)
-    weights = model.params() * DTYPE_BYTES[dtype]
     expert_weights = model.expert_params() * DTYPE_BYTES[dtype]
     dense_weights = weights - expert_weights
     train_shards = train.weight_shards
