@@ -10,13 +10,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from executor.model import build_model
 from simulator.costs.training import optimizer_memory
 from simulator.specs.parallel import ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 from tests import trainer_workers
+from tests.rank_pool import run_ranks
 
 
 def write_checkpoint(directory: Path, preset: str, seed: int) -> Path:
@@ -45,10 +45,8 @@ def test_ranks_build_on_meta_and_load_only_their_shards(preset: str, tp: int, dp
     layout = {"preset": preset, "tp": tp, "dp": dp, "sharding": sharding,
               "checkpoint": str(checkpoint)}
     out = tmp_path / "result.json"
-    mp.start_processes(trainer_workers.build_and_report,
-                       args=(tp * dp, trainer_workers.fresh_rendezvous(tmp_path), layout,
-                             str(out)),
-                       nprocs=tp * dp, start_method="spawn")
+    run_ranks(trainer_workers.build_and_report,
+              (tp * dp, trainer_workers.fresh_rendezvous(tmp_path), layout, str(out)), tp * dp)
     ranks = json.loads(out.read_text())
     spec = MODEL_PRESETS[preset]
     predicted = optimizer_memory(spec, ParallelConfig(tp=tp, dp=dp, sharding=sharding,
@@ -66,9 +64,8 @@ def test_ranks_build_on_meta_and_load_only_their_shards(preset: str, tp: int, dp
 def test_seeded_initial_weights_do_not_depend_on_the_layout(tmp_path: Path) -> None:
     layout = {"preset": "tiny-2l", "tp": 2, "dp": 1, "sharding": "none"}
     out = tmp_path / "result.json"
-    mp.start_processes(trainer_workers.build_and_report,
-                       args=(2, trainer_workers.fresh_rendezvous(tmp_path), layout, str(out)),
-                       nprocs=2, start_method="spawn")
+    run_ranks(trainer_workers.build_and_report,
+              (2, trainer_workers.fresh_rendezvous(tmp_path), layout, str(out)), 2)
     assert all(max(r["errors"].values()) == 0.0 for r in json.loads(out.read_text()))
 
 

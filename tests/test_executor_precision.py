@@ -9,21 +9,19 @@ import json
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from simulator.costs.training import optimizer_memory
 from simulator.specs.parallel import ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 from tests import trainer_workers
+from tests.rank_pool import run_ranks
 
 
 def run(layout: dict, tmp_path: Path) -> list[dict]:
     world = layout["tp"] * layout["dp"]
     out = tmp_path / "result.json"
-    mp.start_processes(trainer_workers.train_and_measure,
-                       args=(world, trainer_workers.fresh_rendezvous(tmp_path), layout,
-                             str(out)),
-                       nprocs=world, start_method="spawn")
+    run_ranks(trainer_workers.train_and_measure,
+              (world, trainer_workers.fresh_rendezvous(tmp_path), layout, str(out)), world)
     return json.loads(out.read_text())
 
 

@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from executor.generation import (  # noqa: E402
     GenerationEngine,
@@ -27,6 +26,7 @@ from executor.generation import (  # noqa: E402
 )
 from executor.model import build_model  # noqa: E402
 from simulator.specs.presets import MODEL_PRESETS  # noqa: E402
+from tests.rank_pool import run_ranks  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -204,7 +204,6 @@ def transition_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     dist.barrier()  # no rank leaves while a peer still talks to it
     clear_meshes()
     dist.destroy_process_group()
-    os._exit(0)  # no C++ static destructors (see tests/trainer_workers.finish)
 
 
 @pytest.mark.parametrize("world", sorted(CONFIGS))
@@ -219,8 +218,7 @@ def test_bucketed_transition_gives_the_per_parameter_shards_and_bytes(
     out = tmp_path / "result.json"
     from tests.trainer_workers import fresh_rendezvous
 
-    mp.start_processes(transition_worker, args=(world, fresh_rendezvous(tmp_path), str(out)),
-                       nprocs=world, start_method="spawn")
+    run_ranks(transition_worker, (world, fresh_rendezvous(tmp_path), str(out)), world)
     rows = json.loads(out.read_text())
     for rank_results in rows:
         for config, result in zip(CONFIGS[world], rank_results, strict=True):

@@ -1,13 +1,13 @@
 """Process bodies of the torch-backend trainer tests (module level, so that spawn can import
-them): each process joins a gloo group, builds one role with the plan's layout and dtype and
-writes what it holds or computed to a JSON file."""
+them; ``tests.rank_pool.run_ranks`` runs them): each process joins a gloo group, builds one
+role with the plan's layout and dtype and writes what it holds or computed to a JSON file."""
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,6 @@ def finish(rank: int, world: int, result: dict, out: str) -> None:
             json.dump(rows, handle)
     dist.barrier()  # no rank leaves while a peer still talks to it
     dist.destroy_process_group()
-    # Leave without C++ static destructors: gloo's threads can abort a process at
-    # interpreter exit ("terminate called without an active exception"), failing the test
-    # after its work is done and written.
-    os._exit(0)
 
 
 def train_and_measure(rank: int, world: int, rendezvous: str, layout: dict,
@@ -96,12 +92,7 @@ def build_and_report(rank: int, world: int, rendezvous: str, layout: dict,
     shard of every parameter, and its state bytes."""
     import weakref
 
-    from torch.distributed.tensor import DTensor
-
     from executor import model as model_module
-    from executor.trainer import Trainer
-    from simulator.specs.parallel import ParallelConfig
-    from simulator.specs.presets import MODEL_PRESETS
 
     join(rank, world, rendezvous)
     created_on: list[str] = []
@@ -123,6 +114,22 @@ def build_and_report(rank: int, world: int, rendezvous: str, layout: dict,
 
     model_module.CausalLM.__init__ = recording_init
     model_module.InitialWeights.__getitem__ = recording_get
+    try:
+        _build_and_report(rank, world, layout, out, created_on, most_alive, original_get)
+    finally:  # the process runs the next test's body too (tests.rank_pool)
+        model_module.CausalLM.__init__ = original_init
+        model_module.InitialWeights.__getitem__ = original_get
+
+
+def _build_and_report(rank: int, world: int, layout: dict, out: str, created_on: list[str],
+                      most_alive: list[int], original_get: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from executor import model as model_module
+    from executor.trainer import Trainer
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
+
     spec = MODEL_PRESETS[layout["preset"]]
     par = ParallelConfig(tp=layout["tp"], dp=layout["dp"], sharding=layout["sharding"],
                          sequence_parallel=False)

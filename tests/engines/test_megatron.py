@@ -9,9 +9,9 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests.engines import megatron_workers
+from tests.rank_pool import run_ranks
 
 LOG_PROB_TOLERANCE = 1e-5
 """fp32: the layouts reduce in different orders (seen: 5e-7)."""
@@ -30,9 +30,8 @@ def free_port() -> int:
 def test_layouts_compute_the_torch_models_log_probs_and_export_its_weights(
         preset: str, tp: int, pp: int, tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    mp.start_processes(megatron_workers.log_probs_and_round_trip,
-                       args=(tp * pp, free_port(), tp, pp, str(out), preset), nprocs=tp * pp,
-                       start_method="spawn")
+    run_ranks(megatron_workers.log_probs_and_round_trip,
+              (tp * pp, free_port(), tp, pp, str(out), preset), tp * pp)
     result = json.loads(out.read_text())
     assert result["max_log_prob_error"] < LOG_PROB_TOLERANCE
     assert result["round_trip_exact"] and result["missing"] == []
@@ -45,9 +44,8 @@ def test_left_padded_prompts_compute_what_the_torch_model_computes_with_its_mask
     schedule moves each row's pads to its end; every position that predicts a real token
     matches the torch model under its padding mask."""
     out = tmp_path / "result.json"
-    mp.start_processes(megatron_workers.left_padded_log_probs,
-                       args=(tp * pp, free_port(), tp, pp, str(out), value_head),
-                       nprocs=tp * pp, start_method="spawn")
+    run_ranks(megatron_workers.left_padded_log_probs,
+              (tp * pp, free_port(), tp, pp, str(out), value_head), tp * pp)
     result = json.loads(out.read_text())
     assert result["shape_equal"] and result["pads_zero"]
     assert result["max_error"] < LOG_PROB_TOLERANCE
@@ -79,10 +77,9 @@ def train(tmp_path: Path, tp: int, pp: int, vpp: int, sharding: str, world: int,
           sequence_parallel: bool = False, recompute: str = "selective") -> dict:
     out = tmp_path / (f"tp{tp}-pp{pp}-vpp{vpp}-{sharding}-{world}-{sequence_parallel}-"
                       f"{recompute}.json")
-    mp.start_processes(megatron_workers.training_losses,
-                       args=(world, free_port(), tp, pp, vpp, sharding, str(out),
-                             sequence_parallel, recompute),
-                       nprocs=world, start_method="spawn")
+    run_ranks(megatron_workers.training_losses,
+              (world, free_port(), tp, pp, vpp, sharding, str(out), sequence_parallel,
+               recompute), world)
     import torch
 
     result = json.loads(out.read_text())

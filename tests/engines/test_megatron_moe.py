@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from profiles.datafile import SpecError
 from simulator.specs.parallel import ParallelConfig
 from simulator.specs.presets import MODEL_PRESETS
 from tests.engines import megatron_workers
 from tests.engines.test_megatron import free_port
+from tests.rank_pool import run_ranks
 
 LOSS_TOLERANCE = 1e-5
 """fp32 losses of 3 Adam steps: ep = 2 routes the same tokens to the same experts and only
@@ -29,9 +29,8 @@ WEIGHT_TOLERANCE = 1e-5
 def train(tmp_path: Path, world: int, ep: int, *, tp: int = 1, etp: int = 1,
           moe: dict | None = None) -> dict[str, Any]:
     out = tmp_path / f"w{world}-ep{ep}-tp{tp}-etp{etp}-{sorted((moe or {}).items())}.json"
-    mp.start_processes(megatron_workers.moe_training_losses,
-                       args=(world, free_port(), ep, str(out), "tiny-moe-2l", moe, tp, etp),
-                       nprocs=world, start_method="spawn")
+    run_ranks(megatron_workers.moe_training_losses,
+              (world, free_port(), ep, str(out), "tiny-moe-2l", moe, tp, etp), world)
     result = json.loads(out.read_text())
     result.update(torch.load(str(out) + ".pt"))
     return result
