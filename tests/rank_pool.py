@@ -5,8 +5,8 @@ on processes this test process keeps for the next body of the same world size.
 Why: a spawned rank spends most of a small test importing its libraries before it computes
 anything. Measured on this project's 2-core machine (2026-12-03): ``import executor.worker``
 (torch, DTensor) 2.7-3.4 s of CPU, and Megatron-core with its CPU shims 7.0 s, while a
-tiny-model layout test computes for well under a second; the engine stage alone started 43
-Megatron ranks. A pool pays each import once per world size.
+tiny-model layout test computes for well under a second; tests/engines/test_megatron.py
+alone started 43 Megatron ranks. A pool pays each import once per world size.
 
 What a body sees is what a fresh process would give it: the random generators of torch,
 Python and numpy are put back to their state at process start before each body, and after
