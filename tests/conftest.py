@@ -70,16 +70,6 @@ def _ray_starts_its_own_local_cluster() -> None:
     os.environ["RAY_ADDRESS"] = "local"
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _rank_pools_end_with_the_session() -> None:
-    """The spawned ranks tests.rank_pool keeps between tests leave when the session ends."""
-    import sys
-
-    yield
-    if "tests.rank_pool" in sys.modules:
-        sys.modules["tests.rank_pool"].close_pools()
-
-
 @pytest.fixture(autouse=True)
 def _no_user_profile_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HYBRIDFLOW_PROFILE_PATH", raising=False)

@@ -130,11 +130,11 @@ class RankPool:
             if dead:
                 self.close(graceful=False)
                 raise RankFailedError(f"{body.__qualname__}: rank(s) died (rank, exit code): "
-                                 f"{dead}")
+                                      f"{dead}")
             if pending and time.monotonic() > deadline:
                 self.close(graceful=False)
                 raise RankFailedError(f"{body.__qualname__}: not finished on every rank after "
-                                 f"{timeout_seconds:.0f} s")
+                                      f"{timeout_seconds:.0f} s")
 
     def close(self, graceful: bool = True) -> None:
         """Ask idle ranks to leave, then kill any that did not (at once unless
@@ -177,7 +177,7 @@ def run_ranks(body: Callable[..., None], args: tuple, world: int,
 
 
 def close_pools() -> None:
-    """End every kept pool (at the end of a test session)."""
+    """End every kept pool (when the test process exits)."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

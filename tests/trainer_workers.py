@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,8 +90,14 @@ def build_and_report(rank: int, world: int, rendezvous: str, layout: dict,
     were created on, how many whole tensors were alive at once on the host, the rank's
     shard of every parameter, and its state bytes."""
     import weakref
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
 
     from executor import model as model_module
+    from executor.trainer import Trainer
+    from simulator.specs.parallel import ParallelConfig
+    from simulator.specs.presets import MODEL_PRESETS
 
     join(rank, world, rendezvous)
     created_on: list[str] = []
@@ -112,35 +117,20 @@ def build_and_report(rank: int, world: int, rendezvous: str, layout: dict,
         most_alive[0] = max(most_alive[0], len(alive))
         return whole
 
-    model_module.CausalLM.__init__ = recording_init
-    model_module.InitialWeights.__getitem__ = recording_get
-    try:
-        _build_and_report(rank, world, layout, out, created_on, most_alive, original_get)
-    finally:  # the process runs the next test's body too (tests.rank_pool)
-        model_module.CausalLM.__init__ = original_init
-        model_module.InitialWeights.__getitem__ = original_get
-
-
-def _build_and_report(rank: int, world: int, layout: dict, out: str, created_on: list[str],
-                      most_alive: list[int], original_get: Any) -> None:
-    from torch.distributed.tensor import DTensor
-
-    from executor import model as model_module
-    from executor.trainer import Trainer
-    from simulator.specs.parallel import ParallelConfig
-    from simulator.specs.presets import MODEL_PRESETS
-
-    spec = MODEL_PRESETS[layout["preset"]]
-    par = ParallelConfig(tp=layout["tp"], dp=layout["dp"], sharding=layout["sharding"],
-                         sequence_parallel=False)
-    trainer = Trainer(spec, par, value_head=False, seed=0, trainable=False,
-                      checkpoint=layout.get("checkpoint"), dtype="fp32")
-    # Reassembled from every rank's shard, each tensor must be the checkpoint's (or the
-    # seeded initial) tensor.
-    reference = model_module.InitialWeights(spec, seed=0, checkpoint=layout.get("checkpoint"))
-    errors = {}
-    for name, param in trainer.model.named_parameters():
-        whole = param.full_tensor() if isinstance(param, DTensor) else param
-        errors[name] = float((whole.detach() - original_get(reference, name)).abs().max())
-    finish(rank, world, {"created_on": created_on, "most_whole_tensors_alive": most_alive[0],
-                         "state": trainer.state_bytes(), "errors": errors}, out)
+    # Patched for this body only: the process runs the next test's body too (tests.rank_pool).
+    with mock.patch.object(model_module.CausalLM, "__init__", recording_init), \
+            mock.patch.object(model_module.InitialWeights, "__getitem__", recording_get):
+        spec = MODEL_PRESETS[layout["preset"]]
+        par = ParallelConfig(tp=layout["tp"], dp=layout["dp"], sharding=layout["sharding"],
+                             sequence_parallel=False)
+        trainer = Trainer(spec, par, value_head=False, seed=0, trainable=False,
+                          checkpoint=layout.get("checkpoint"), dtype="fp32")
+        # Reassembled from every rank's shard, each tensor must be the checkpoint's (or the
+        # seeded initial) tensor.
+        reference = model_module.InitialWeights(spec, seed=0, checkpoint=layout.get("checkpoint"))
+        errors = {}
+        for name, param in trainer.model.named_parameters():
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            errors[name] = float((whole.detach() - original_get(reference, name)).abs().max())
+        finish(rank, world, {"created_on": created_on, "most_whole_tensors_alive": most_alive[0],
+                             "state": trainer.state_bytes(), "errors": errors}, out)
