@@ -12,21 +12,20 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, run_cli
 
 
 @pytest.mark.parametrize(("fault", "cause"), [
     ("raise_in_second_update", "RuntimeError: injected fault: CUDA error"),
     ("exit_in_second_update", "died")])
 def test_a_failing_rank_stops_the_run_and_keeps_the_records(
-        fault: str, cause: str, grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+        fault: str, cause: str, grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path,
+        local_ray: object) -> None:
     plan, job = grpo_two_gpu_files
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
-         "--steps", "3", "--out", str(out), "--reward-warmup", "0", "--max-restarts", "0",
-         "--worker-setup", f"tests.faults.inject:{fault}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_cli(["execute", str(plan), "--config", str(job), "--steps", "3", "--out",
+                      str(out), "--reward-warmup", "0", "--max-restarts", "0",
+                      "--worker-setup", f"tests.faults.inject:{fault}"])
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("hybridflow: run failed: actor.update (set 0, rank 1)"), last
@@ -40,17 +39,15 @@ def test_a_failing_rank_stops_the_run_and_keeps_the_records(
 
 
 def test_restarts_are_bounded_then_the_run_fails_in_one_line(
-        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path, local_ray: object) -> None:
     """A rank that dies in every second update: one restart (from the start: no checkpoint
     yet), the same death, and then the run fails with one line; meta.json lists the restart,
     and the finished iteration's rows are there once."""
     plan, job = grpo_two_gpu_files
     out = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
-         "--steps", "3", "--out", str(out), "--reward-warmup", "0", "--max-restarts", "1",
-         "--worker-setup", "tests.faults.inject:exit_in_second_update"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_cli(["execute", str(plan), "--config", str(job), "--steps", "3", "--out",
+                      str(out), "--reward-warmup", "0", "--max-restarts", "1",
+                      "--worker-setup", "tests.faults.inject:exit_in_second_update"])
     assert result.returncode == 1, result.stderr[-2000:]
     assert "a worker failed again after 1 restart(s)" in result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -67,27 +64,29 @@ def test_restarts_are_bounded_then_the_run_fails_in_one_line(
 
 
 def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
-        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path) -> None:
+        grpo_two_gpu_files: tuple[Path, Path], tmp_path: Path, local_ray: object) -> None:
     """SIGKILL of rank 1 in iteration 2's update: the run restarts its workers from the
     checkpoint after iteration 2, finishes, and ends with the weights of a run that never
-    failed; every iteration's rows are there once; meta.json says what the failure cost."""
+    failed; every iteration's rows are there once; meta.json says what the failure cost.
+    The failing run is a child process with a Ray of its own: its workers read the fault's
+    marker path from the environment they inherit from it."""
     import os
 
     from safetensors.torch import load_file
 
     plan, job = grpo_two_gpu_files
     out = tmp_path / "run"
-    env = {**os.environ, "HYBRIDFLOW_FAULT_MARKER": str(tmp_path / "killed")}
 
-    def execute(*extra: str, run: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "planner", "execute", str(plan), "--config", str(job),
-             "--steps", "4", "--out", str(run), "--reward-warmup", "0", "--seed", "3",
-             "--checkpoint-every", "1", "--save-hf", str(run / "hf"), *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    def arguments(run: Path) -> list[str]:
+        return ["execute", str(plan), "--config", str(job), "--steps", "4", "--out", str(run),
+                "--reward-warmup", "0", "--seed", "3", "--checkpoint-every", "1",
+                "--save-hf", str(run / "hf")]
 
-    result = execute("--worker-setup", "tests.faults.inject:kill_in_third_update_once",
-                     run=out)
+    result = subprocess.run(
+        [sys.executable, "-m", "planner", *arguments(out),
+         "--worker-setup", "tests.faults.inject:kill_in_third_update_once"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "HYBRIDFLOW_FAULT_MARKER": str(tmp_path / "killed")})
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "killed").exists()  # the fault did happen
     assert "restarting the workers from" in result.stderr and "Traceback" not in result.stderr
@@ -99,7 +98,7 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
         iterations = [row["iteration"] for row in csv.DictReader(f)
                       if row["node"] == "iteration"]
     assert iterations == ["0", "1", "2", "3"]  # none lost, none twice
-    clean = execute(run=tmp_path / "clean")
+    clean = run_cli(arguments(tmp_path / "clean"))
     assert clean.returncode == 0, clean.stderr[-2000:]
     a = load_file(out / "hf" / "model.safetensors")
     b = load_file(tmp_path / "clean" / "hf" / "model.safetensors")
@@ -107,10 +106,11 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(
 
 
 def test_ctrl_c_stops_cleanly_and_the_run_resumes(grpo_two_gpu_files: tuple[Path, Path],
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, local_ray: object) -> None:
     """SIGINT to the command's process group (what Ctrl-C sends): the workers end, the Ray it
     started stops, the records of the finished iterations and the last checkpoint stay
-    valid, one line says so (exit 130), and the run resumes from that checkpoint."""
+    valid, one line says so (exit 130), and the run resumes from that checkpoint (in this
+    process, on the test process's Ray)."""
     import os
     import signal
     import time
@@ -154,9 +154,7 @@ def test_ctrl_c_stops_cleanly_and_the_run_resumes(grpo_two_gpu_files: tuple[Path
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert all(not name.startswith(".") for name in checkpoints)  # no partial one left
     done = int(checkpoints[-1].split("_")[1])
-    resumed = subprocess.run(
-        [sys.executable, "-m", "planner", "execute", "--resume", str(out), "--steps",
-         str(done + 1)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    resumed = run_cli(["execute", "--resume", str(out), "--steps", str(done + 1)])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"after iteration {done}" in resumed.stderr
     with open(out / "measurements.csv") as f:

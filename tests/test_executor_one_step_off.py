@@ -20,17 +20,11 @@ from executor.session import RunSession  # noqa: E402
 from simulator.plan import ColocatedSet, Plan, RolePlan, RolloutSet  # noqa: E402
 from simulator.specs.job import JobSpec, job_from_mapping  # noqa: E402
 from simulator.specs.parallel import GenerationConfig, ParallelConfig  # noqa: E402
-from tests.conftest import ROOT, start_virtual_ray  # noqa: E402
+from tests.conftest import ROOT, SESSION_RAY_GPUS  # noqa: E402
 
-GPUS = 4
+GPUS = SESSION_RAY_GPUS
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> None:
-    """One Ray instance for these tests: four virtual GPUs on this CPU machine."""
-    start_virtual_ray(GPUS)
-    yield
-    ray.shutdown()
 
 
 def grpo_job(**workload: object) -> JobSpec:
@@ -78,7 +72,7 @@ class CheckedSession(RunSession):
 
 
 def test_one_step_off_grpo_learns_with_synced_weights_and_overlapped_generation(
-        local_ray: None, tmp_path: Path) -> None:
+        local_ray: object, tmp_path: Path) -> None:
     """The GRPO learning set-up of tests/test_executor_ray.py (32 prompts x 8 samples, seed
     0) as a one-step-off plan: its 2 training GPUs plus a rollout set of 2 generation
     replicas, 40 iterations. It must learn: a gain in the mean rule reward, first 10

@@ -26,17 +26,13 @@ from simulator.plan import ColocatedSet, Plan, RolePlan  # noqa: E402
 from simulator.specs.job import JobSpec, job_from_mapping  # noqa: E402
 from simulator.specs.parallel import GenerationConfig, ParallelConfig  # noqa: E402
 from simulator.specs.presets import MODEL_PRESETS  # noqa: E402
-from tests.conftest import ROOT, start_virtual_ray  # noqa: E402
+from tests.conftest import ROOT, SESSION_RAY_GPUS  # noqa: E402
 
-GPUS = 4
+GPUS = SESSION_RAY_GPUS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> None:
-    """One Ray instance for these tests: four virtual GPUs on this CPU machine."""
-    start_virtual_ray(GPUS)
-    yield
-    ray.shutdown()
+# The test process's Ray (tests/conftest.py): four virtual GPUs on this CPU machine.
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def job(algorithm: str, gpus: int, **workload: object) -> JobSpec:
@@ -435,8 +431,8 @@ def test_bad_plans_fail_before_any_worker_starts(tmp_path: Path) -> None:
 
 def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
     """``plan`` then ``execute`` as a user types them. Both run in this process (as
-    ``python -m planner`` calls ``planner.cli.main``), so ``execute`` joins this module's Ray
-    instead of starting its own; a refused run is a child process, to show that it fails
+    ``python -m planner`` calls ``planner.cli.main``), so ``execute`` joins the test process's
+    Ray instead of starting its own; a refused run is a child process, to show that it fails
     before any Ray starts."""
     from tests.test_cli import run as in_process
 
@@ -478,14 +474,13 @@ def test_cli_plans_and_executes_a_tiny_job(tmp_path: Path) -> None:
     assert shown.stdout.strip().splitlines()[-1].lstrip().startswith("iteration")
     bad = cli("execute", str(tmp_path / "report" / "plan.json"), "--steps", "0")
     assert bad.returncode == 2 and "Started a local Ray" not in bad.stderr
-    assert ray.is_initialized()  # the in-process runs left this module's Ray running
+    assert ray.is_initialized()  # the in-process runs left the test process's Ray running
 
 
 def test_profile_execute_calibrate_accuracy_loop(tmp_path: Path) -> None:
-    """profile -> execute -> calibrate -> accuracy, with --quick settings."""
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner", *args], cwd=ROOT, text=True,
-                              capture_output=True, timeout=600)
+    """profile -> execute -> calibrate -> accuracy, with --quick settings (the commands in
+    this process, as ``python -m planner`` runs them)."""
+    from tests.test_cli import run as cli
 
     profile = tmp_path / "here.yaml"
     measured = cli("profile", "--quick", "--out", str(profile))

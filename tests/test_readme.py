@@ -12,7 +12,7 @@ import pytest
 from tests.readme_transcripts import DOCUMENTS, MARK, README, ROOT, stale_lines, transcripts
 
 
-def test_every_transcript_is_what_its_commands_print_now() -> None:
+def test_every_transcript_is_what_its_commands_print_now(local_ray: object) -> None:
     blocks = 0
     stale_text = []
     for document in DOCUMENTS:
@@ -176,12 +176,13 @@ EXAMPLE_DOCUMENTS = [d for d in DOCUMENTS if _runnable_examples(d)]
 
 
 @pytest.mark.parametrize("document", EXAMPLE_DOCUMENTS, ids=lambda d: d.name)
-def test_every_runnable_example_outside_the_transcripts_runs(document: Path,
-                                                             tmp_path: Path) -> None:
+def test_every_runnable_example_outside_the_transcripts_runs(document: Path, tmp_path: Path,
+                                                             local_ray: object) -> None:
     """Issue 32: a command the docs show outside a transcript runs as written whenever it
     can (see ``_runnable_examples``), from a directory of its own (the repository's
     planner/examples reachable as there), and exits 0; its output is not compared. The
-    commands run in this process (``run_cli``), as the transcripts' do."""
+    commands run in this process (``run_cli``), as the transcripts' do, and an ``execute``
+    joins the test process's Ray."""
     from tests.conftest import run_cli
 
     (tmp_path / "planner").symlink_to(ROOT / "planner", target_is_directory=True)
