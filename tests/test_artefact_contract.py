@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from profiles.datafile import SpecError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 CONTRACT_EXAMPLES = int(os.environ.get("HYBRIDFLOW_CONTRACT_EXAMPLES", "14"))
 """Random jobs per suite run."""
@@ -182,8 +181,7 @@ def test_an_asynchronous_plan_walks_through_the_cli(tmp_path: Path) -> None:
                    + "mode: one_step_off\n")
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "planner", *args], cwd=tmp_path,
-                              capture_output=True, text=True, check=False)
+        return run_cli(list(args), cwd=tmp_path)
 
     planned = cli("plan", "--config", str(job), "--out", "rep", "--json")
     assert planned.returncode == 0, planned.stderr

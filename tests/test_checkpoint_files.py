@@ -7,8 +7,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from executor.run_checkpoints import (  # noqa: E402
     read_controller_state,
 )
 from profiles.datafile import SpecError  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
 
 
 class Evil:
@@ -79,8 +77,7 @@ def test_resume_of_a_bad_run_directory_is_one_line(tmp_path: Path, setup, proble
     run = tmp_path / "run"
     run.mkdir()
     setup(run)
-    result = subprocess.run([sys.executable, "-m", "planner", "execute", "--resume", str(run)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_cli(["execute", "--resume", str(run)])
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
