@@ -154,12 +154,17 @@ def check_setup_hook(spec: str) -> None:
 def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) -> Any:
     """Everything that can be checked before a worker starts; raises SpecError. Returns the
     task the controller's program takes its prompts from (the built-in one, or the job's
-    data read and tokenized). The checks run in a fixed order (the job and plan, each role,
-    the batch splits, the run's options, the user's code and outputs, memory), so the first
-    problem a user sees does not depend on anything else."""
-    from executor.trainer import compute_dtype
+    data read and tokenized)."""
+    from executor.backends import check_available, check_megatron_layout
+    from executor.trainer import check_layout, compute_dtype
 
-    check_executable(job, plan)
+    if job.algorithm not in SUPPORTED_ALGORITHMS:
+        raise SpecError(f"the executor runs {', '.join(SUPPORTED_ALGORITHMS)}; "
+                        f"{job.algorithm} is planned but not executable yet", key="algorithm")
+    if plan.mode not in EXECUTABLE_MODES:
+        raise SpecError(f"the executor runs {' and '.join(EXECUTABLE_MODES)} plans; "
+                        f"{plan.mode_label()} (streaming rollouts) is planned but not "
+                        "executable yet", key="mode")
     plan.validate(job)
     compute_dtype(job.workload.dtype)
     chosen_backends = effective_backends(job, plan)
@@ -169,91 +174,49 @@ def validate_for_execution(job: JobSpec, plan: Plan, options: ExecutionOptions) 
     checkpoints = effective_checkpoints(job, options)
     check_checkpoints(job, checkpoints)
     task = prepare_task(job, options, checkpoints)
-    longest = task.prompt_length + response_cap(job, task)
+    max_new_tokens = response_cap(job, task)
     for role in job.gpu_roles:
-        check_role_layout(job, plan, role, chosen_backends[role], options)
-        check_model_fits_task(job, role, task, longest)
-    check_batch_splits(job, plan, options)
-    check_run_options(options, chosen_backends)
-    check_user_code_and_outputs(job, options)
-    budget = planned_kv_cache_budget_bytes(job, plan)
-    if budget is not None and budget <= 0:
-        raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
-                        f"({budget / 2**30:.1f} GiB per GPU on {job.cluster.profile().name}); plan "
-                        "again or give the set more GPUs", key="roles.actor.generation")
-    # Megatron roles of one set share Megatron's (per-process) parallel state.
-    replace(plan, roles={role: replace(rp, training_backend=chosen_backends[role][0])
-                         for role, rp in plan.roles.items()}).check_backends()
-    return task
-
-
-def check_executable(job: JobSpec, plan: Plan) -> None:
-    """The algorithm and the plan's mode are ones the executor runs."""
-    if job.algorithm not in SUPPORTED_ALGORITHMS:
-        raise SpecError(f"the executor runs {', '.join(SUPPORTED_ALGORITHMS)}; "
-                        f"{job.algorithm} is planned but not executable yet", key="algorithm")
-    if plan.mode not in EXECUTABLE_MODES:
-        raise SpecError(f"the executor runs {' and '.join(EXECUTABLE_MODES)} plans; "
-                        f"{plan.mode_label()} (streaming rollouts) is planned but not "
-                        "executable yet", key="mode")
-
-
-def check_role_layout(job: JobSpec, plan: Plan, role: str, backends: tuple[str, str],
-                      options: ExecutionOptions) -> None:
-    """``role``'s layout is one its (training, generation) backends run, and uses nothing the
-    executor leaves out (Ulysses, offloaded parameters or optimizer states between calls)."""
-    from executor.backends import check_available, check_megatron_layout
-    from executor.trainer import check_layout
-
-    rp = plan.roles[role]
-    spec = job.model(role)
-    training, generation = backends
-    key = f"roles.{role}.parallel"
-    check_available(role, training, generation, spec=spec, parallel=rp.parallel,
-                    generation_config=rp.generation)
-    if training == "megatron":
-        check_megatron_layout(spec, rp.parallel, key=key, generation=rp.generation)
-        if role == "actor" and job.algorithm == "safe-rlhf" and options.rl.ptx_coef > 0:
-            raise SpecError("Safe-RLHF's pretraining (ptx) loss runs on a second input, "
-                            "which the Megatron backend's pipeline schedule does not "
-                            "compute; train the actor with the torch backend or set "
-                            "ptx_coef 0", key="backends.actor.training")
-    else:
-        check_layout(spec, rp.parallel, key=key, generation=rp.generation)
-    if rp.parallel.ulysses > 1:
-        raise SpecError("the executor runs no Ulysses sequence parallelism; plan the job "
-                        "with framework: hybridflow", key=f"{key}.ulysses")
-    if rp.parallel.offload_params or rp.parallel.offload_optimizer:
-        raise SpecError("the executor keeps every state on its GPUs between calls (no "
-                        "offload); plan the job with framework: hybridflow",
-                        key=f"{key}.offload_params")
-    if rp.generation is not None and plan.rollout is None and \
-            rp.parallel.tp % rp.generation.tp:
-        raise SpecError(f"generation tp={rp.generation.tp} must divide training "
-                        f"tp={rp.parallel.tp} (3D-HybridEngine)",
-                        key=f"roles.{role}.generation.tp")
-
-
-def check_model_fits_task(job: JobSpec, role: str, task: Any, longest_tokens: int) -> None:
-    """``role``'s model holds the task's longest sequence (learned positions) and its
-    vocabulary (the built-in task's, or the tokenizer's)."""
-    spec = job.model(role)
-    if spec.learned_positions and spec.learned_positions < longest_tokens:
-        raise SpecError(f"{spec.name} has {spec.learned_positions} learned positions; the "
-                        f"task's sequences reach {longest_tokens} tokens", key=f"models.{role}")
-    if spec.vocab < task.vocab_needed:
-        what = "the tokenizer has" if job.data is not None else "the task needs"
-        raise SpecError(f"{spec.name} has {spec.vocab} tokens; {what} "
-                        f"{task.vocab_needed}", key=f"models.{role}")
-
-
-def check_batch_splits(job: JobSpec, plan: Plan, options: ExecutionOptions) -> None:
-    """Every trained role's batch splits evenly into its data-parallel ranks x mini-batches:
-    an iteration's sequences, and for reward and cost models fitted to the task's rules
-    before RL, a fitting step's prompts_per_iteration sequences."""
+        rp = plan.roles[role]
+        spec = job.model(role)
+        training, generation = chosen_backends[role]
+        check_available(role, training, generation, spec=spec, parallel=rp.parallel,
+                        generation_config=rp.generation)
+        if training == "megatron":
+            check_megatron_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
+                                  generation=rp.generation)
+            if role == "actor" and job.algorithm == "safe-rlhf" and options.rl.ptx_coef > 0:
+                raise SpecError("Safe-RLHF's pretraining (ptx) loss runs on a second input, "
+                                "which the Megatron backend's pipeline schedule does not "
+                                "compute; train the actor with the torch backend or set "
+                                "ptx_coef 0", key="backends.actor.training")
+        else:
+            check_layout(spec, rp.parallel, key=f"roles.{role}.parallel",
+                         generation=rp.generation)
+        if rp.parallel.ulysses > 1:
+            raise SpecError("the executor runs no Ulysses sequence parallelism; plan the job "
+                            "with framework: hybridflow", key=f"roles.{role}.parallel.ulysses")
+        if rp.parallel.offload_params or rp.parallel.offload_optimizer:
+            raise SpecError("the executor keeps every state on its GPUs between calls (no "
+                            "offload); plan the job with framework: hybridflow",
+                            key=f"roles.{role}.parallel.offload_params")
+        if rp.generation is not None and plan.rollout is None and \
+                rp.parallel.tp % rp.generation.tp:
+            raise SpecError(f"generation tp={rp.generation.tp} must divide training "
+                            f"tp={rp.parallel.tp} (3D-HybridEngine)",
+                            key=f"roles.{role}.generation.tp")
+        longest = task.prompt_length + max_new_tokens
+        if spec.learned_positions and spec.learned_positions < longest:
+            raise SpecError(f"{spec.name} has {spec.learned_positions} learned positions; the "
+                            f"task's sequences reach {longest} tokens", key=f"models.{role}")
+        if spec.vocab < task.vocab_needed:
+            what = "the tokenizer has" if job.data is not None else "the task needs"
+            raise SpecError(f"{spec.name} has {spec.vocab} tokens; {what} "
+                            f"{task.vocab_needed}", key=f"models.{role}")
     work = job.workload
     sequences = work.prompts_per_iteration * (work.samples_per_prompt
                                               if job.algorithm == "grpo" else 1)
+    # Reward and cost models train too (fitted to the task's rules before RL), on batches of
+    # prompts_per_iteration sequences.
     fitted = [r for r in ("reward", "cost")
               if r in job.gpu_roles and options.reward_warmup_steps > 0]
     for role, rows, what in [(r, sequences, "iteration") for r in job.dataflow.trained_roles] + \
@@ -265,12 +228,6 @@ def check_batch_splits(job: JobSpec, plan: Plan, options: ExecutionOptions) -> N
                             f"{work.mini_batches_per_epoch} mini-batches ({role}); choose a "
                             f"multiple of {dp * work.mini_batches_per_epoch}",
                             key="workload.prompts_per_iteration")
-
-
-def check_run_options(options: ExecutionOptions,
-                      chosen_backends: dict[str, tuple[str, str]]) -> None:
-    """The run's own options: its length, a fresh output directory (or a resume), the
-    worker set-up hook, and a device Megatron roles can use."""
     if options.steps < 1:
         raise SpecError("must be at least 1", key="--steps")
     if options.resume is None and options.out is not None and \
@@ -280,12 +237,6 @@ def check_run_options(options: ExecutionOptions,
     if options.worker_setup:
         check_setup_hook(options.worker_setup)
     check_megatron_device(chosen_backends, options)
-
-
-def check_user_code_and_outputs(job: JobSpec, options: ExecutionOptions) -> None:
-    """The user's reward function loads; the Hugging Face exports (--save-hf,
-    --save-hf-critic) name a model that has one and a directory they can write;
-    TensorBoard logging has its package."""
     if job.reward_function is not None:
         from executor.reward_function import load_reward_function
 
@@ -310,6 +261,17 @@ def check_user_code_and_outputs(job: JobSpec, options: ExecutionOptions) -> None
         except ImportError:
             raise SpecError("TensorBoard logging needs the tensorboard package: pip install "
                             "tensorboard", key="--log") from None
+    budget = planned_kv_cache_budget_bytes(job, plan)
+    if budget is not None and budget <= 0:
+        raise SpecError(f"the plan leaves the actor's generation no memory for its KV cache "
+                        f"({budget / 2**30:.1f} GiB per GPU on {job.cluster.profile().name}); plan "
+                        "again or give the set more GPUs", key="roles.actor.generation")
+    # Megatron roles of one set share Megatron's (per-process) parallel state.
+    from dataclasses import replace
+
+    replace(plan, roles={role: replace(rp, training_backend=chosen_backends[role][0])
+                         for role, rp in plan.roles.items()}).check_backends()
+    return task
 
 
 def effective_checkpoints(job: JobSpec, options: ExecutionOptions) -> dict[str, str]:
