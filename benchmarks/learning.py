@@ -2,7 +2,7 @@
 set-ups the tests check (tests/test_executor_ray.py) and prints the figures the README quotes:
 
 - GRPO, tiny-2l actor and reference on 2 virtual GPUs (actor FSDP dp 2), rule reward, 32
-  prompts x 8 samples, 40 iterations, seed 0: mean rule reward over the first and last 10.
+  prompts x 8 samples, 60 iterations, seed 0: mean rule reward over the first and last 10.
 - Safe-RLHF, rule reward and rule cost (writing the digit 4 costs 1), 32 prompts, actor + ref
   on one GPU and the critic on another, 120 iterations, seed 0, with the constraint
   (threshold 0.1) and without (lambda fixed at 0): reward over the first 10 iterations, and
@@ -69,10 +69,10 @@ def main() -> None:
             plan = _plan("grpo", [(("actor", "ref"), 2)],
                          {"actor": (2, "fsdp"), "ref": (2, "none")})
             metrics = execute(grpo, plan, ExecutionOptions(
-                steps=40, seed=0, out=Path(tmp) / "grpo", reward_warmup_steps=2)).metrics
+                steps=60, seed=0, out=Path(tmp) / "grpo", reward_warmup_steps=2)).metrics
             scores = [m["rule_score"] for m in metrics]
-            print(f"GRPO (40 iterations): mean rule reward, iterations 0-9 "
-                  f"{_mean(scores[:10]):.3f}, 30-39 {_mean(scores[-10:]):.3f}")
+            print(f"GRPO (60 iterations): mean rule reward, iterations 0-9 "
+                  f"{_mean(scores[:10]):.3f}, 50-59 {_mean(scores[-10:]):.3f}")
             print("  per 5 iterations: " + " ".join(
                 f"{_mean(scores[i:i + 5]):.2f}" for i in range(0, len(scores), 5)))
             sys.stdout.flush()
