@@ -393,7 +393,10 @@ def test_safe_rlhf_keeps_the_cost_under_its_threshold(tmp_path: Path) -> None:
     iterations at which every seed 0-4 keeps 1.5 times the test's margins (cost ratio <= 1/3,
     gain >= 0.075), over the last 40 iterations. Ratio and gain by seed at 120: 0.12/0.106
     (seed 0: 0.060 -> 0.166), 0.18/0.478, 0.13/0.499, 0.07/0.472, 0.11/0.450; at 90 seed 0
-    gained 0.065; at 150 (the size before): 0.13-0.25 and 0.109-0.530."""
+    gained 0.065; at 150 (the size before): 0.13-0.25 and 0.109-0.530. Measured again
+    2026-12-03 (the executor's changes since): 120 still the fewest; ratio / gain by seed at
+    120: 0.128/0.344, 0.109/0.100, 0.089/0.258, 0.129/0.543, 0.128/0.357; at 90 seed 1
+    gained 0.014; at 150 seed 0's ratio was 0.356."""
     from executor.algorithms import RLConfig
 
     models = {"actor": "tiny-2l", "critic": "tiny-2l", "ref": "tiny-2l", "reward": "rule",
