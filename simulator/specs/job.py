@@ -562,84 +562,24 @@ JOB_KEYS = ("name", "algorithm", "models", "cluster", "workload", "parallel", "b
 
 def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
                      base_dir: Path | None = None) -> JobSpec:
-    """Build and validate a JobSpec from the mapping of a job file."""
+    """Build and validate a JobSpec from the mapping of a job file. The keys are read in a
+    fixed order, so a file with several problems is always answered with the same one."""
     try:
-        unknown = [k for k in data if k not in JOB_KEYS]
-        if unknown:
-            raise SpecError(f"unknown key{did_you_mean(str(unknown[0]), JOB_KEYS)} (allowed: "
-                            f"{', '.join(JOB_KEYS)})", key=unknown[0])
-        if "models" not in data:
-            raise SpecError("missing required key", key="models")
-        if "cluster" not in data:
-            raise SpecError("missing required key", key="cluster")
-        raw_models = data["models"]
-        if not isinstance(raw_models, dict):
-            raise SpecError(f"expected a mapping of role -> model, got {raw_models!r}",
-                            key="models")
-        models: dict[str, Any] = {}
-        model_paths: dict[str, str] = {}
-        for role, value in raw_models.items():
-            models[role] = RULE if value == RULE else load_model(
-                value, base_dir=base_dir, key=f"models.{role}")
-            path = checkpoint_path(value, base_dir)
-            if path is not None:
-                model_paths[role] = path
-        raw_workload = data.get("workload") or {}
-        if not isinstance(raw_workload, dict):
-            raise SpecError(f"expected a mapping, got {raw_workload!r}", key="workload")
-        for key in ("response_length", "greedy_response_length"):
-            if key in raw_workload:
-                raw_workload = dict(raw_workload)
-                raw_workload[key] = parse_lengths(raw_workload[key], f"workload.{key}",
-                                                  base_dir)
-        workload = from_mapping(Workload, raw_workload, key_prefix="workload")
-        raw_parallel = data.get("parallel") or {}
-        if not isinstance(raw_parallel, dict):
-            raise SpecError(f"expected a mapping of role -> settings, got {raw_parallel!r}",
-                            key="parallel")
-        parallel = {role: from_mapping(RolePin, value or {}, key_prefix=f"parallel.{role}")
-                    for role, value in raw_parallel.items()}
-        raw_backends = data.get("backends") or {}
-        if not isinstance(raw_backends, dict):
-            raise SpecError(f"expected a mapping of role -> backends, got {raw_backends!r}",
-                            key="backends")
-        backends = {role: from_mapping(RoleBackends, value or {}, key_prefix=f"backends.{role}")
-                    for role, value in raw_backends.items()}
-        algorithm = data.get("algorithm", "ppo")
-        if not isinstance(algorithm, str):
-            raise SpecError(f"expected a string, got {algorithm!r}", key="algorithm")
-        name = data.get("name", "")
-        if not isinstance(name, str):
-            raise SpecError(f"expected a string, got {name!r}", key="name")
-        framework = data.get("framework", DEFAULT_FRAMEWORK)
-        if not isinstance(framework, str):
-            raise SpecError(f"expected a framework name or profile path, got {framework!r}",
-                            key="framework")
+        _check_job_keys(data)
+        models, model_paths = _job_models(data["models"], base_dir)
+        workload = _job_workload(data.get("workload") or {}, base_dir)
+        parallel = _per_role(data, "parallel", RolePin, "settings")
+        backends = _per_role(data, "backends", RoleBackends, "backends")
+        algorithm = _job_string(data, "algorithm", "ppo", "a string")
+        name = _job_string(data, "name", "", "a string")
+        framework = _job_string(data, "framework", DEFAULT_FRAMEWORK,
+                                "a framework name or profile path")
         if base_dir is not None and framework.endswith((".yaml", ".yml")):
             framework = str(base_dir / framework)
-        reward_function = None
-        if data.get("reward_function") is not None:
-            raw = data["reward_function"]
-            if not isinstance(raw, dict):
-                raise SpecError(f"expected a mapping {{path, name}}, got {raw!r}",
-                                key="reward_function")
-            reward_function = from_mapping(RewardFunction, raw, key_prefix="reward_function")
-            path = Path(reward_function.path)
-            if base_dir is not None and not path.is_absolute():
-                path = base_dir / path
-            if not path.is_file():
-                what = "a directory, expected a Python file" if path.is_dir() else \
-                    "file not found"
-                raise SpecError(f"{what}: {path}", key="reward_function.path")
-            # Absolute, so a plan that embeds the job runs from anywhere (as data: files).
-            reward_function = RewardFunction(path=str(path.resolve()), name=reward_function.name)
+        reward_function = _job_reward_function(data.get("reward_function"), base_dir)
         data_spec = parse_data(data["data"], base_dir) if data.get("data") is not None \
             else None
-        mode = data.get("mode", "sync")
-        if not isinstance(mode, str):
-            raise SpecError(f"expected one of sync, one_step_off, async, auto, got {mode!r}",
-                            key="mode")
-        max_staleness = data.get("max_staleness")
+        mode = _job_string(data, "mode", "sync", "one of sync, one_step_off, async, auto")
         partial_rollout = data.get("partial_rollout", False)
         if not isinstance(partial_rollout, bool):
             raise SpecError(f"expected true or false, got {partial_rollout!r}",
@@ -657,9 +597,82 @@ def job_from_mapping(data: dict[str, Any], *, source: str | None = None,
                        parallel=parallel, backends=backends, name=name, framework=framework,
                        reward_function=reward_function, data=data_spec,
                        model_paths=model_paths, mode=mode,  # type: ignore[arg-type]
-                       max_staleness=max_staleness, partial_rollout=partial_rollout)
+                       max_staleness=data.get("max_staleness"),
+                       partial_rollout=partial_rollout)
     except SpecError as exc:
         raise exc.within(source=source) from None
+
+
+def _check_job_keys(data: dict[str, Any]) -> None:
+    """Only JOB_KEYS, and the two a job cannot do without."""
+    unknown = [k for k in data if k not in JOB_KEYS]
+    if unknown:
+        raise SpecError(f"unknown key{did_you_mean(str(unknown[0]), JOB_KEYS)} (allowed: "
+                        f"{', '.join(JOB_KEYS)})", key=unknown[0])
+    for required in ("models", "cluster"):
+        if required not in data:
+            raise SpecError("missing required key", key=required)
+
+
+def _job_models(raw: Any, base_dir: Path | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(role -> ModelSpec or RULE, role -> checkpoint directory) of ``models``."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping of role -> model, got {raw!r}", key="models")
+    models: dict[str, Any] = {}
+    model_paths: dict[str, str] = {}
+    for role, value in raw.items():
+        models[role] = RULE if value == RULE else load_model(
+            value, base_dir=base_dir, key=f"models.{role}")
+        path = checkpoint_path(value, base_dir)
+        if path is not None:
+            model_paths[role] = path
+    return models, model_paths
+
+
+def _job_workload(raw: Any, base_dir: Path | None) -> Workload:
+    """``workload``, its response lengths read as a distribution or a file of them."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping, got {raw!r}", key="workload")
+    for key in ("response_length", "greedy_response_length"):
+        if key in raw:
+            raw = dict(raw)
+            raw[key] = parse_lengths(raw[key], f"workload.{key}", base_dir)
+    return from_mapping(Workload, raw, key_prefix="workload")
+
+
+def _per_role(data: dict[str, Any], key: str, cls: type, what: str) -> dict[str, Any]:
+    """``key`` (``parallel`` or ``backends``): role -> ``cls`` read from its mapping."""
+    raw = data.get(key) or {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping of role -> {what}, got {raw!r}", key=key)
+    return {role: from_mapping(cls, value or {}, key_prefix=f"{key}.{role}")
+            for role, value in raw.items()}
+
+
+def _job_string(data: dict[str, Any], key: str, default: str, expected: str) -> str:
+    """The string at ``key`` (``default`` when absent); anything else is ``expected``."""
+    value = data.get(key, default)
+    if not isinstance(value, str):
+        raise SpecError(f"expected {expected}, got {value!r}", key=key)
+    return value
+
+
+def _job_reward_function(raw: Any, base_dir: Path | None) -> RewardFunction | None:
+    """``reward_function`` with its path made absolute (so a plan that embeds the job runs
+    from anywhere), after checking the file is there; None when absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError(f"expected a mapping {{path, name}}, got {raw!r}",
+                        key="reward_function")
+    reward_function = from_mapping(RewardFunction, raw, key_prefix="reward_function")
+    path = Path(reward_function.path)
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if not path.is_file():
+        what = "a directory, expected a Python file" if path.is_dir() else "file not found"
+        raise SpecError(f"{what}: {path}", key="reward_function.path")
+    return RewardFunction(path=str(path.resolve()), name=reward_function.name)
 
 
 def checkpoint_path(value: Any, base_dir: Path | None) -> str | None:
