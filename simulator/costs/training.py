@@ -188,14 +188,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     forward and backward; ``logits_bytes_per_entry``: bytes the loss holds per token and
     vocabulary entry; ``cp_exchange``: how context-parallel ranks exchange keys and values,
     ``layout_ring_seconds``)."""
-    mbs: float = par.micro_batch_size
-    micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
-    if packed is not None:
-        mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
-        micro_batches = packed.micro_batches
-    # Ulysses and context parallelism: a micro-batch's sequences are split over sp (cp) ranks,
-    # each computing 1 / sp (1 / cp) of it.
-    mbs /= par.ulysses * par.cp
+    mbs, seq_len, micro_batches = _micro_batching(par, global_batch, seq_len, packed)
     tp_cross = group_crosses_nodes(par.tp, 1, gpus_per_node)
     layer = layer_cost(model, profile, micro_batch=mbs, seq_len=seq_len, tp=par.tp,
                        sequence_parallel=par.sequence_parallel, dtype=dtype,
@@ -211,22 +204,13 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
     compute_scale = profile.correction("train_compute")
     forward = layer.forward_seconds * compute_scale
     backward = layer.backward_seconds * compute_scale
-
-    # Per micro-batch, per stage: the transformer blocks of the stage.
     recompute_extra = {"none": 0.0, "selective": layer.attention_core_seconds * compute_scale,
                        "full": forward + layer.tp_training_forward_seconds}[par.recompute]
-    body_compute = layers_per_stage * (forward + backward + recompute_extra)
-    body_tp = layers_per_stage * (layer.tp_training_forward_seconds
-                                  + layer.tp_backward_seconds)
-    ulysses, ring_forward, ring_backward = _sequence_split_seconds(
-        model, profile, par, layer, tokens=tokens, mbs=mbs, dtype=dtype,
-        compute_scale=compute_scale, gpus_per_node=gpus_per_node, cp_exchange=cp_exchange)
-    # Ulysses: the forward's two all-to-alls, the backward's two, and the forward's again
-    # under full recompute. Context parallelism: the ring exchange forward and backward, and
-    # the forward's again when recompute repeats attention.
-    body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
-    body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
-                                   + ring_backward)
+    body_compute, body_tp = _stage_body_seconds(
+        model, profile, par, layer, layers_per_stage=layers_per_stage, forward=forward,
+        backward=backward, recompute_extra=recompute_extra, tokens=tokens, mbs=mbs,
+        dtype=dtype, compute_scale=compute_scale, gpus_per_node=gpus_per_node,
+        cp_exchange=cp_exchange)
     first_extra, last_extra = _stage_end_seconds(
         model, profile, par, tokens=tokens, dtype=dtype, value_head=value_head,
         compute_scale=compute_scale, logprob_bytes=logprob_bytes, tp_cross=tp_cross)
@@ -245,11 +229,7 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         gpus_per_node=gpus_per_node,
         backward_window=layers_per_stage * (backward + recompute_extra))
 
-    optimizer_params = optimizer_sharded_params(model, par, value_head=value_head)
-    if par.sharding == "fsdp":
-        optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
-    optimizer_seconds = memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM,
-                                       kernels=4)
+    optimizer_seconds = _optimizer_step_seconds(model, profile, par, value_head=value_head)
 
     seconds = (pipeline + p2p_total + dp_comm + optimizer_seconds
                + profile.overheads.iteration_seconds)
@@ -273,6 +253,53 @@ def train_step(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
         model_flops=flops,
         micro_batches=micro_batches,
     )
+
+
+def _micro_batching(par: ParallelConfig, global_batch: int, seq_len: float,
+                    packed: PackedBatch | None) -> tuple[float, float, int]:
+    """(sequences per micro-batch on one rank, tokens per sequence, micro-batches per step):
+    ``micro_batch_size`` sequences each, or the busiest rank's packed micro-batches; Ulysses
+    and context parallelism split a micro-batch's sequences over sp (cp) ranks, each
+    computing 1 / sp (1 / cp) of it."""
+    mbs: float = par.micro_batch_size
+    micro_batches = max(1, math.ceil(global_batch / (par.data_shards * mbs)))
+    if packed is not None:
+        mbs, seq_len = packed.sequences_per_micro_batch, packed.tokens_per_sequence
+        micro_batches = packed.micro_batches
+    mbs /= par.ulysses * par.cp
+    return mbs, seq_len, micro_batches
+
+
+def _stage_body_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig,
+                        layer: LayerCost, *, layers_per_stage: float, forward: float,
+                        backward: float, recompute_extra: float, tokens: float, mbs: float,
+                        dtype: str, compute_scale: float, gpus_per_node: int,
+                        cp_exchange: str) -> tuple[float, float]:
+    """(compute, communication) seconds of one micro-batch through one pipeline stage's
+    transformer blocks: forward, backward and recompute kernels; tensor-parallel
+    collectives; Ulysses' all-to-alls (the forward's two, the backward's two, and the
+    forward's again under full recompute); context parallelism's ring exchange forward and
+    backward (and the forward's again when recompute repeats attention)."""
+    body_compute = layers_per_stage * (forward + backward + recompute_extra)
+    body_tp = layers_per_stage * (layer.tp_training_forward_seconds
+                                  + layer.tp_backward_seconds)
+    ulysses, ring_forward, ring_backward = _sequence_split_seconds(
+        model, profile, par, layer, tokens=tokens, mbs=mbs, dtype=dtype,
+        compute_scale=compute_scale, gpus_per_node=gpus_per_node, cp_exchange=cp_exchange)
+    body_tp += layers_per_stage * ulysses * (3 if par.recompute == "full" else 2)
+    body_tp += layers_per_stage * (ring_forward * (1 if par.recompute == "none" else 2)
+                                   + ring_backward)
+    return body_compute, body_tp
+
+
+def _optimizer_step_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig, *,
+                            value_head: bool) -> float:
+    """Adam's update over the parameters this rank's optimizer holds (its FSDP shard, or the
+    optimizer states' shard), as memory traffic in four kernels."""
+    optimizer_params = optimizer_sharded_params(model, par, value_head=value_head)
+    if par.sharding == "fsdp":
+        optimizer_params = fsdp_local_param_count(model, par, value_head=value_head)
+    return memory_seconds(profile, optimizer_params * ADAM_STEP_BYTES_PER_PARAM, kernels=4)
 
 
 def _sequence_split_seconds(model: ModelSpec, profile: DeviceProfile, par: ParallelConfig,
