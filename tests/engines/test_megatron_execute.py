@@ -3,7 +3,8 @@ of tests/compat/megatron_cpu.py passed with ``--worker-setup``): PPO with Megatr
 for actor and critic and vLLM generation, and a pp = 2 plan with the distributed optimizer.
 Each run is checked against the same iterations on the torch backend: both import the same
 initial weights and see the same prompts, so their metrics agree to fp32 reduction order.
-The runs are ``hybridflow execute`` in this process, on the stage's one Ray (``engine_ray``)."""
+The runs are ``hybridflow execute`` in this process, on the test process's one Ray (``local_ray``,
+tests/conftest.py: four virtual GPUs, the largest plan here is pp 2 x dp 2)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from tests.test_cli import run as hybridflow
 
-pytestmark = pytest.mark.usefixtures("engine_ray")
+pytestmark = pytest.mark.usefixtures("local_ray")
 SETUP = "tests.compat.megatron_cpu:install"
 METRIC_TOLERANCE = 1e-4
 """Relative: fp32 metrics after two PPO iterations of updates at lr 1e-2 (seen: 2e-6 on

@@ -105,7 +105,7 @@ def test_sampled_log_probs_agree_with_the_trainers_recomputation(engines) -> Non
     assert torch.allclose(recomputed * mask, out.log_probs * mask, atol=LOG_PROB_TOLERANCE)
 
 
-@pytest.mark.usefixtures("engine_ray")
+@pytest.mark.usefixtures("local_ray")
 def test_execute_runs_grpo_with_vllm_generation_and_records_the_backend(tmp_path: Path) -> None:
     """A plan with the actor trained tp 2 and generating with vLLM at tp 2 on two virtual
     GPUs, through the CLI (in this process, on the stage's Ray)."""
